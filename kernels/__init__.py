@@ -1,0 +1,18 @@
+"""Conf-KV attention kernels (installed as ``confkv_kernels``, never as a top-level ``kernels``).
+
+HuggingFace ships a package called ``kernels`` that transformers probes for; this folder is
+mapped to the import name ``confkv_kernels`` in pyproject.toml so the two can never be confused.
+
+Public API (same signature for the Triton path and the PyTorch reference):
+  decode_attention, chunk_attention, quantize_int8 -- dispatched by ``Backend``.
+"""
+
+from confkv_kernels.dispatch import (
+    Backend,
+    chunk_attention,
+    decode_attention,
+    default_backend,
+    quantize_int8,
+)
+
+__all__ = ["Backend", "chunk_attention", "decode_attention", "default_backend", "quantize_int8"]
