@@ -7,7 +7,12 @@ Public API (same signature for the Triton path and the PyTorch reference):
   decode_attention, chunk_attention, quantize_int8 -- dispatched by ``Backend``.
 """
 
-from confkv_kernels.dispatch import (
+if __name__ != "confkv_kernels":  # found as top-level ``kernels`` via the repo root on sys.path
+    from confkv_kernels._shadow import step_aside
+
+    step_aside(__name__)
+
+from confkv_kernels.dispatch import (  # noqa: E402
     Backend,
     chunk_attention,
     decode_attention,

@@ -10,7 +10,6 @@ import enum
 import os
 
 import torch
-
 from confkv_kernels import reference
 
 

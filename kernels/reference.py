@@ -71,8 +71,14 @@ def decode_attention_ref(q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, scalin
     for b in range(batch):
         a8, e8, af, ef = o8[b], o8[b + 1], of[b], of[b + 1]
         out, m8, mf = _attend_one(
-            q[b].unsqueeze(1), k8[:, a8:e8], k8s[:, a8:e8], v8[:, a8:e8], v8s[:, a8:e8],
-            kf[:, af:ef], vf[:, af:ef], scaling,
+            q[b].unsqueeze(1),
+            k8[:, a8:e8],
+            k8s[:, a8:e8],
+            v8[:, a8:e8],
+            v8s[:, a8:e8],
+            kf[:, af:ef],
+            vf[:, af:ef],
+            scaling,
         )
         outs.append(out.squeeze(1))
         mass8[:, a8:e8] = m8

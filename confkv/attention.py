@@ -1,0 +1,92 @@
+"""The ``confkv`` attention function, registered in transformers' ``AttentionInterface``.
+
+It attends over each sequence's mixed INT8/FP storage through ``confkv_kernels`` (Triton on
+CUDA, the PyTorch reference elsewhere), and feeds the per-key attention mass back to the cache.
+Memory during a prefill chunk of M queries is O(M * N) per head group, never O(T^2).
+"""
+
+from __future__ import annotations
+
+import torch
+from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
+from transformers import AttentionInterface
+
+from confkv.cache import pending_cache
+from confkv.sequence import SequenceCache
+
+ATTN_IMPLEMENTATION = "confkv"
+
+
+def _offsets(lengths: list[int], device) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    out[1:] = torch.tensor(lengths, device=device).cumsum(0)
+    return out
+
+
+def _attend_one(seq: SequenceCache, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q (Hq, M, D) of one sequence -> (Hq, M, D); updates that sequence's statistics."""
+    store = seq.stores[layer]
+    k8, k8s, v8, v8s, kf, vf = store.kv_views()
+    m = q.shape[1]
+    if m == 1:
+        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+        off8 = torch.cat([zero, zero + k8.shape[1]])
+        offf = torch.cat([zero, zero + kf.shape[1]])
+        out, mass8, massf = decode_attention(q.transpose(0, 1), k8, k8s, v8, v8s, kf, vf, off8, offf, scaling)
+        out = out.transpose(0, 1)
+    else:
+        q_pos = torch.arange(store.next_pos - m, store.next_pos, device=q.device)
+        posf = store.fp.view("pos")
+        out, mass8, massf = chunk_attention(q, k8, k8s, v8, v8s, kf, vf, q_pos, posf, scaling)
+    seq.after_attention(layer, mass8.sum(0), massf.sum(0))
+    return out
+
+
+def _attend_batched_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float):
+    """One fused ragged call for a decode batch on the Triton path: q (B, Hq, 1, D)."""
+    views = [s.stores[layer].kv_views() for s in seqs]
+    k8, k8s, v8, v8s, kf, vf = (torch.cat([v[i] for v in views], dim=1) for i in range(6))
+    off8 = _offsets([v[0].shape[1] for v in views], q.device)
+    offf = _offsets([v[4].shape[1] for v in views], q.device)
+    out, mass8, massf = decode_attention(q[:, :, 0], k8, k8s, v8, v8s, kf, vf, off8, offf, scaling)
+    m8, mf = mass8.sum(0), massf.sum(0)
+    for b, seq in enumerate(seqs):
+        seq.after_attention(layer, m8[off8[b] : off8[b + 1]], mf[offf[b] : offf[b + 1]])
+    return out.unsqueeze(2)
+
+
+def _fallback(query, key, value, scaling):
+    """No Conf-KV cache in use: plain causal attention (keeps the model usable without our cache)."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    m, n = query.shape[2], key.shape[2]
+    mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(diagonal=n - m)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out
+
+
+def confkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query (B, Hq, M, D) -> (attn_output (B, M, Hq, D), None) as transformers expects."""
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    layer = module.layer_idx
+    cache = pending_cache(layer)
+    if cache is None:
+        out = _fallback(query, key, value, scaling)
+    elif query.shape[2] == 1 and len(cache.seqs) > 1 and default_backend(query.device) is Backend.TRITON:
+        out = _attend_batched_decode(cache.seqs, layer, query, scaling)
+    else:
+        out = torch.stack([_attend_one(s, layer, query[b], scaling) for b, s in enumerate(cache.seqs)])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the attention function once (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, confkv_attention)
+
+
+def enable(model) -> None:
+    """Switch ``model`` to the ``confkv`` attention implementation."""
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)

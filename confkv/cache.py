@@ -1,0 +1,140 @@
+"""``ConfKVCache``: a transformers ``Cache`` holding one ``SequenceCache`` per batch row.
+
+The model calls ``update(k, v, layer)``; we evict to make room, append, and hand the layer to
+the ``confkv`` attention function (registered in ``confkv.attention``), which attends over the
+mixed INT8/FP storage and returns the attention mass that feeds the EMA.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from confkv.confidence import confidence
+from confkv.memory import KVGeometry
+from confkv.policies import CachePolicy, parse_policy
+from confkv.sequence import SequenceCache
+
+_HANDOFF = threading.local()
+
+
+def pending_cache(layer_idx: int) -> ConfKVCache | None:
+    """The ConfKVCache whose ``update`` just ran for ``layer_idx`` on this thread (if any)."""
+    cache = getattr(_HANDOFF, "cache", None)
+    if cache is not None and _HANDOFF.layer == layer_idx:
+        _HANDOFF.cache = None
+        return cache
+    return None
+
+
+class ConfKVLayer(CacheLayerMixin):
+    """Per-layer facade so transformers' generic Cache code sees familiar objects."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, owner: ConfKVCache, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.longest(self.layer_idx) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class ConfKVCache(Cache):
+    """Batch of per-sequence Conf-KV caches (ragged lengths allowed).
+
+    Build from a model: ``ConfKVCache.for_model(model, "confkv:n_high=512")`` or with one policy
+    per batch row. Sequences can also be assembled from existing ``SequenceCache`` objects
+    (continuous batching in the worker).
+    """
+
+    def __init__(self, sequences: list[SequenceCache]):
+        if not sequences:
+            raise ValueError("ConfKVCache needs at least one sequence")
+        self.seqs = sequences
+        n_layers = sequences[0].geometry.n_layers
+        super().__init__(layers=[ConfKVLayer(self, i) for i in range(n_layers)])
+
+    @classmethod
+    def for_model(
+        cls, model, policies: CachePolicy | str | list[CachePolicy | str], batch_size: int = 1, seed: int = 0
+    ) -> ConfKVCache:
+        if not isinstance(policies, list):
+            policies = [policies] * batch_size
+        param = next(model.parameters())
+        geometry = KVGeometry.from_config(model.config, param.dtype)
+        seqs = [
+            SequenceCache(
+                parse_policy(p) if isinstance(p, str) else p, geometry, param.dtype, param.device, seed
+            )
+            for p in policies
+        ]
+        return cls(seqs)
+
+    # -- transformers Cache API -----------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
+        """key/value (B, Hkv, M, D) of the new tokens; stored, then attended by ``attend``."""
+        if key_states.shape[0] != len(self.seqs):
+            raise ValueError(f"batch of {key_states.shape[0]} rows for a cache of {len(self.seqs)} sequences")
+        m = key_states.shape[2]
+        for b, seq in enumerate(self.seqs):
+            seq.before_append(layer_idx, m)
+            seq.append(layer_idx, key_states[b], value_states[b])
+        _HANDOFF.cache, _HANDOFF.layer = self, layer_idx
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen (not stored): new tokens get their true position from this."""
+        return self.seqs[0].stores[layer_idx].next_pos
+
+    def longest(self, layer_idx: int) -> int:
+        return max(len(s.stores[layer_idx]) for s in self.seqs)
+
+    @property
+    def max_batch_size(self) -> int:
+        return len(self.seqs)
+
+    # -- Conf-KV ------------------------------------------------------------------------------------
+    def observe_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (B, V) of the newest position -> confidence (B,), fed to every sequence with
+        its policy's weights; sets each sequence's budget for the next step."""
+        values = []
+        for seq, row in zip(self.seqs, logits, strict=True):
+            c = float(confidence(row, seq.confidence_weights))
+            seq.observe_confidence(c)
+            values.append(c)
+        return torch.tensor(values)
+
+    def observe_confidence(self, confidence: torch.Tensor) -> list[int]:
+        """confidence (B,) of the newest logits -> each sequence's next budget."""
+        values = confidence.reshape(-1).tolist()
+        return [seq.observe_confidence(c) for seq, c in zip(self.seqs, values, strict=True)]
+
+    def positions_for_next(self, n_new: int = 1) -> torch.Tensor:
+        """(B, n_new) true positions of the next tokens of every sequence (ragged batches)."""
+        starts = torch.tensor([s.seen_tokens for s in self.seqs])
+        return starts.unsqueeze(1) + torch.arange(n_new).unsqueeze(0)
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.seqs)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.stats.peak_bytes for s in self.seqs)

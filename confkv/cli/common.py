@@ -1,0 +1,42 @@
+"""Argument helpers shared by the commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from confkv.models import SMOLLM2
+from confkv.policies import parse_policy
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=SMOLLM2, help="'smollm2' (embedded), an HF hub id or a local folder"
+    )
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def policy_list(text: str) -> list[str]:
+    """Comma-separated specs; a comma followed by key=value belongs to the previous spec."""
+    specs: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "=" in part.split(":")[0] and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    if not specs:
+        raise ValueError("no policy given")
+    for spec in specs:
+        parse_policy(spec)  # validate early: a clear message before any model is loaded
+    return specs

@@ -1,0 +1,86 @@
+"""``confkv generate``: one prompt through a policy's cache, optional per-step JSON trace."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from confkv.cli.common import add_model_arg, positive_int
+from confkv.cli.main import UsageError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with a Conf-KV policy")
+    add_model_arg(p)
+    p.add_argument("--policy", default="confkv", help="policy spec, e.g. confkv:n_high=512,n_low=256")
+    p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--trace", type=Path, help="write per-step confidence, budget, tokens and bytes per layer")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import torch
+
+    from confkv.cache import ConfKVCache
+    from confkv.decode import generate
+    from confkv.models import load_model
+    from confkv.policies import parse_policy
+
+    if not args.prompt.strip():
+        raise UsageError("empty prompt")
+    policy = parse_policy(args.policy)
+    model, tok = load_model(args.model)
+    if args.raw or tok.chat_template is None:
+        ids = tok(args.prompt, return_tensors="pt").input_ids
+    else:
+        msgs = [{"role": "user", "content": args.prompt}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        ids = ids["input_ids"]
+    cache = ConfKVCache.for_model(model, policy)
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    start = time.perf_counter()
+
+    def stream(token: int) -> None:
+        sys.stdout.write(tok.decode([token], skip_special_tokens=True))
+        sys.stdout.flush()
+
+    with torch.inference_mode():
+        result = generate(
+            model,
+            cache,
+            ids,
+            args.max_new_tokens,
+            eos,
+            args.temperature,
+            on_token=stream,
+            trace=bool(args.trace),
+        )
+    seconds = time.perf_counter() - start
+    sys.stdout.write("\n")
+    seq = cache.seqs[0]
+    print(
+        f"[{policy.spec()}] {len(result.tokens)} tokens in {seconds:.1f}s, prompt {ids.shape[1]} tokens, "
+        f"peak KV {seq.stats.peak_bytes / 2**20:.2f} MiB, stop: {result.stop_reason}",
+        file=sys.stderr,
+    )
+    if args.trace:
+        args.trace.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "policy": policy.spec(),
+                    "prompt_tokens": int(ids.shape[1]),
+                    "peak_kv_bytes": seq.stats.peak_bytes,
+                    "seconds": seconds,
+                    "text": tok.decode(result.tokens, skip_special_tokens=True),
+                    "steps": result.trace,
+                },
+                indent=1,
+            )
+        )
+    return 0

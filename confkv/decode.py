@@ -1,0 +1,145 @@
+"""The decode loop as small named functions (gpt-fast style): prefill, decode_one_token, sample.
+
+Every forward feeds the newest logits' confidence to the cache, which picks each sequence's
+budget for the next step. Prompts are processed in chunks with eviction between chunks, so the
+peak KV stays within the budget for prompts of any length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from confkv.cache import ConfKVCache
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    trace: list[dict] = field(default_factory=list)
+    stop_reason: str = "length"
+
+
+def prefill_chunk_size(cache: ConfKVCache, requested: int) -> int:
+    """Largest chunk that keeps every sequence within its budget and FP window."""
+    size = requested
+    for seq in cache.seqs:
+        pol = seq.policy
+        if pol.evicts:
+            size = min(size, min(seq.layer_budgets) - pol.protected - pol.s)
+        if pol.int8:
+            size = min(size, pol.w)
+    return max(1, size)
+
+
+@torch.no_grad()
+def forward(model, cache: ConfKVCache, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    """input_ids (B, M) at each sequence's next positions -> logits (B, M, V) or (B, 1, V)."""
+    positions = cache.positions_for_next(input_ids.shape[1]).to(input_ids.device)
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=0 if all_logits else 1,
+    )
+    return out.logits
+
+
+@torch.no_grad()
+def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int = 256) -> torch.Tensor:
+    """Process a prompt (B, T) chunk by chunk; returns the last position's logits (B, V)."""
+    if input_ids.shape[1] == 0:
+        raise ValueError("empty prompt: at least one token is needed")
+    step = prefill_chunk_size(cache, chunk_size)
+    logits = None
+    for start in range(0, input_ids.shape[1], step):
+        logits = forward(model, cache, input_ids[:, start : start + step])[:, -1]
+    cache.observe_logits(logits)
+    return logits
+
+
+@torch.no_grad()
+def decode_one_token(model, cache: ConfKVCache, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens (B,) -> next logits (B, V); the cache's budgets follow the new confidence."""
+    logits = forward(model, cache, tokens.view(-1, 1))[:, -1]
+    cache.observe_logits(logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None):
+    """(B, V) -> (B,) greedy when temperature == 0."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _trace_row(step: int, token: int, cache: ConfKVCache) -> dict:
+    seq = cache.seqs[0]
+    rec = seq.record()
+    return {
+        "step": step,
+        "token": token,
+        "confidence": rec.confidence,
+        "budget": rec.budget,
+        "tokens_per_layer": rec.tokens_per_layer,
+        "bytes_per_layer": rec.bytes_per_layer,
+        "kv_bytes": sum(rec.bytes_per_layer),
+    }
+
+
+@torch.no_grad()
+def generate(
+    model,
+    cache: ConfKVCache,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_token_ids: set[int] | None = None,
+    temperature: float = 0.0,
+    chunk_size: int = 256,
+    on_token: Callable[[int], bool | None] | None = None,
+    trace: bool = False,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Generate for one sequence (B=1). ``on_token`` may return False to cancel."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if input_ids.shape[0] != 1 or len(cache.seqs) != 1:
+        raise ValueError("generate() handles one sequence; the worker engine batches many")
+    eos = eos_token_ids or set()
+    result = GenerationResult(tokens=[])
+    if max_new_tokens == 0:
+        return result
+    logits = prefill(model, cache, input_ids, chunk_size)
+    for step in range(max_new_tokens):
+        token = int(sample(logits, temperature, generator)[0])
+        result.tokens.append(token)
+        if trace:
+            result.trace.append(_trace_row(step, token, cache))
+        if token in eos:
+            result.stop_reason = "eos"
+            break
+        if on_token is not None and on_token(token) is False:
+            result.stop_reason = "cancelled"
+            break
+        if step + 1 < max_new_tokens:
+            logits = decode_one_token(model, cache, torch.tensor([token], device=input_ids.device))
+    return result
+
+
+@torch.no_grad()
+def teacher_forced_logits(
+    model, cache: ConfKVCache, input_ids: torch.Tensor, prefix: int = 0
+) -> torch.Tensor:
+    """Feed (B, T) one token at a time after an optional chunked ``prefix``; returns logits
+    (B, T - max(prefix, 1) + 1, V) predicting tokens max(prefix,1)..T. Each step sees exactly
+    the cache it would see while decoding (eviction between every step)."""
+    outs = []
+    start = max(prefix, 1)
+    outs.append(prefill(model, cache, input_ids[:, :start]).unsqueeze(1))
+    for t in range(start, input_ids.shape[1]):
+        outs.append(decode_one_token(model, cache, input_ids[:, t]).unsqueeze(1))
+    return torch.cat(outs, dim=1)

@@ -1,0 +1,148 @@
+"""Cache policy base: what to keep (``score``), how many (``budget_rule``), where (per layer).
+
+A policy is a frozen, validated dataclass. Subclasses write ``score`` and, if they have a
+schedule of their own, ``budget_rule``; the cache applies them through ``select_keep`` once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from confkv.budgets import FixedBudget, GatedBudget, pyramid_split
+from confkv.confidence import ConfidenceWeights
+from confkv.memory import KVGeometry
+from confkv.policies.select import TokenStats
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """Fields shared by every policy.
+
+    p: recent tokens never evicted; s: first tokens never evicted (attention sinks);
+    int8: store tokens older than ``w`` positions as INT8; pyramid/slope: deeper layers get
+    smaller budgets with the same total; decay: EMA decay of received attention;
+    bytes: optional peak KV byte budget that overrides the token budgets (resolved per model).
+    """
+
+    name: ClassVar[str] = "base"
+    evicts: ClassVar[bool] = True
+    needs_attention: ClassVar[bool] = False
+
+    p: int = 0
+    s: int = 0
+    int8: bool = False
+    w: int = 128
+    pyramid: bool = False
+    slope: float = 0.5
+    decay: float = 0.9
+    bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.p < 0 or self.s < 0:
+            raise ValueError(f"{self.name}: p and s must be >= 0, got p={self.p}, s={self.s}")
+        if self.w < 1:
+            raise ValueError(f"{self.name}: the FP window w must be >= 1, got {self.w}")
+        if not 0.0 <= self.slope < 1.0:
+            raise ValueError(f"{self.name}: slope must be in [0, 1), got {self.slope}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"{self.name}: decay must be in [0, 1), got {self.decay}")
+        if self.bytes is not None and self.bytes <= 0:
+            raise ValueError(f"{self.name}: bytes must be positive, got {self.bytes}")
+        if self.evicts and self.budget_rule().peak < self.min_tokens:
+            raise ValueError(
+                f"{self.name}: budget {self.budget_rule().peak} is smaller than the protected "
+                f"tokens p+s+1={self.min_tokens}"
+            )
+
+    # -- what subclasses provide -------------------------------------------------------------
+    def budget_rule(self) -> FixedBudget | GatedBudget:
+        raise NotImplementedError
+
+    def score(self, stats: TokenStats) -> torch.Tensor:
+        """(n,) higher = keep. Only called when tokens must be evicted."""
+        raise NotImplementedError
+
+    def scaled_to_peak(self, tokens: int) -> CachePolicy:
+        """A copy whose peak token budget is ``tokens`` (other budgets scaled alike)."""
+        raise NotImplementedError
+
+    # -- shared behaviour ----------------------------------------------------------------------
+    @property
+    def protected(self) -> int:
+        """Recent tokens that are never evicted."""
+        return self.p
+
+    @property
+    def min_tokens(self) -> int:
+        return self.protected + self.s + 1
+
+    def layer_budgets(self, total: int, n_layers: int) -> list[int]:
+        if self.pyramid:
+            return pyramid_split(total, n_layers, self.slope, minimum=self.min_tokens)
+        return [total] * n_layers
+
+    def peak_bytes_bound(self, geometry: KVGeometry) -> int:
+        budgets = self.layer_budgets(self.budget_rule().peak, geometry.n_layers)
+        return geometry.bytes_bound(budgets, self.int8, self.w)
+
+    def resolve(self, geometry: KVGeometry) -> CachePolicy:
+        """Turn a byte budget into token budgets for this model (largest that fits)."""
+        if self.bytes is None or not self.evicts:
+            return self
+        lo, hi = self.min_tokens, self.min_tokens
+        if self.replace(bytes=None).scaled_to_peak(lo).peak_bytes_bound(geometry) > self.bytes:
+            raise ValueError(f"{self.name}: bytes={self.bytes} cannot hold even {lo} tokens per layer")
+        while self.replace(bytes=None).scaled_to_peak(hi * 2).peak_bytes_bound(geometry) <= self.bytes:
+            hi *= 2
+        hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            fits = self.replace(bytes=None).scaled_to_peak(mid).peak_bytes_bound(geometry) <= self.bytes
+            lo, hi = (mid, hi) if fits else (lo, mid)
+        return self.replace(bytes=None).scaled_to_peak(lo)
+
+    def replace(self, **changes) -> CachePolicy:
+        return dataclasses.replace(self, **changes)
+
+    def spec(self) -> str:
+        """Canonical spec string: name plus every field that differs from its default."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={int(value) if isinstance(value, bool) else value}")
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+
+@dataclass(frozen=True)
+class GatedPolicy(CachePolicy):
+    """Policies on Conf-KV's confidence-gated schedule (confkv and its matched-rate ablations)."""
+
+    n_high: int = 512
+    n_low: int = 256
+    tau: float = 0.5
+    p: int = 64
+    s: int = 4
+    w_ent: float = 0.4
+    w_margin: float = 0.3
+    w_top1: float = 0.3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_low < self.min_tokens:
+            raise ValueError(f"{self.name}: n_low={self.n_low} is smaller than p+s+1={self.min_tokens}")
+        self.confidence_weights()  # validates
+
+    def confidence_weights(self) -> ConfidenceWeights:
+        return ConfidenceWeights(self.w_ent, self.w_margin, self.w_top1)
+
+    def budget_rule(self) -> GatedBudget:
+        return GatedBudget(self.n_high, self.n_low, self.tau)
+
+    def scaled_to_peak(self, tokens: int) -> CachePolicy:
+        n_low = max(self.min_tokens, round(self.n_low * tokens / self.n_high))
+        return self.replace(n_high=tokens, n_low=min(n_low, tokens))

@@ -1,0 +1,175 @@
+"""One sequence's KV cache for one layer: an FP window of recent tokens plus an INT8 tail.
+
+Layout (matches ``confkv_kernels``):
+  fp_k, fp_v  (Hkv, cap_fp, D) model dtype   tokens within the last ``window`` positions
+  q_k, q_v    (Hkv, cap_q, D)  int8          older kept tokens
+  q_ks, q_vs  (Hkv, cap_q)     float16       per-(head, token) scales
+Slots are unordered: eviction fills holes with the last live slots (no dead slots, O(evicted)
+copies) and appends write in place, so a decode step never copies the whole cache. Per-token
+metadata (positions, EMA of received attention, cumulative attention) moves with the slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from confkv_kernels import quantize_int8
+
+_META = ("pos", "ema", "cum")
+
+
+class _Part:
+    """Capacity-managed slots: tensors whose token axis is ``axis``; ``n`` live slots."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], axis: dict[str, int]):
+        self.t = tensors
+        self.axis = axis
+        self.n = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.t["pos"].shape[0]
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.t[name].narrow(self.axis[name], 0, self.n)
+
+    def reserve(self, extra: int) -> None:
+        need = self.n + extra
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity, 16)
+        for name, old in self.t.items():
+            ax = self.axis[name]
+            shape = list(old.shape)
+            shape[ax] = new_cap
+            grown = old.new_zeros(shape)
+            grown.narrow(ax, 0, self.n).copy_(old.narrow(ax, 0, self.n))
+            self.t[name] = grown
+
+    def append(self, values: dict[str, torch.Tensor]) -> None:
+        m = values["pos"].shape[0]
+        self.reserve(m)
+        for name, value in values.items():
+            self.t[name].narrow(self.axis[name], self.n, m).copy_(value)
+        self.n += m
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep live slots where ``mask`` (n,) is True; fill holes from the end."""
+        new_n = int(mask.sum())
+        if new_n == self.n:
+            return
+        holes = (~mask[:new_n]).nonzero().squeeze(1)
+        sources = mask[new_n:].nonzero().squeeze(1) + new_n
+        if holes.numel():
+            for name, tensor in self.t.items():
+                ax = self.axis[name]
+                tensor.index_copy_(ax, holes, tensor.index_select(ax, sources))
+        self.n = new_n
+
+    def take(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the live slots selected by ``mask``."""
+        idx = mask.nonzero().squeeze(1)
+        return {name: self.view(name).index_select(self.axis[name], idx) for name in self.t}
+
+    def nbytes(self, names) -> int:
+        return sum(self.view(name).nbytes for name in names)
+
+
+class LayerStore:
+    """Mixed-precision KV of one sequence in one layer. Token counts in tokens, sizes in bytes."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, int8: bool, window: int):
+        self.int8 = int8
+        self.window = window
+        self.next_pos = 0  # position the next appended token gets
+        h, d = n_kv_heads, head_dim
+
+        def meta():
+            return {
+                "pos": torch.zeros(0, dtype=torch.long, device=device),
+                "ema": torch.zeros(0, dtype=torch.float32, device=device),
+                "cum": torch.zeros(0, dtype=torch.float32, device=device),
+            }
+
+        fp = {
+            "k": torch.zeros(h, 0, d, dtype=dtype, device=device),
+            "v": torch.zeros(h, 0, d, dtype=dtype, device=device),
+        }
+        q = {
+            "k": torch.zeros(h, 0, d, dtype=torch.int8, device=device),
+            "v": torch.zeros(h, 0, d, dtype=torch.int8, device=device),
+            "ks": torch.zeros(h, 0, dtype=torch.float16, device=device),
+            "vs": torch.zeros(h, 0, dtype=torch.float16, device=device),
+        }
+        axis = {"k": 1, "v": 1, "ks": 1, "vs": 1, "pos": 0, "ema": 0, "cum": 0}
+        self.fp = _Part({**fp, **meta()}, axis)
+        self.q = _Part({**q, **meta()}, axis)
+
+    # -- sizes -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.fp.n + self.q.n
+
+    def nbytes(self) -> int:
+        """Exact bytes of the stored KV tensors: INT8 payload + scales + FP window."""
+        return self.fp.nbytes(("k", "v")) + self.q.nbytes(("k", "v", "ks", "vs"))
+
+    def reserved_bytes(self) -> int:
+        kv = [self.fp.t[n] for n in ("k", "v")] + [self.q.t[n] for n in ("k", "v", "ks", "vs")]
+        return sum(t.nbytes for t in kv)
+
+    # -- views (no copies) ---------------------------------------------------------------------
+    def kv_views(self):
+        """(k8, k8s, v8, v8s, kf, vf) views of the live slots, kernel layout."""
+        q, fp = self.q, self.fp
+        return q.view("k"), q.view("ks"), q.view("v"), q.view("vs"), fp.view("k"), fp.view("v")
+
+    def meta(self, name: str) -> torch.Tensor:
+        """(n,) metadata over all live tokens: INT8 slots first, then FP slots."""
+        return torch.cat([self.q.view(name), self.fp.view(name)])
+
+    # -- mutations -------------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append a chunk k, v (Hkv, M, D) at the next positions; returns those positions (M,)."""
+        m = k.shape[1]
+        pos = torch.arange(self.next_pos, self.next_pos + m, device=k.device)
+        zeros = torch.zeros(m, dtype=torch.float32, device=k.device)
+        self.fp.append({"k": k, "v": v, "pos": pos, "ema": zeros, "cum": zeros})
+        self.next_pos += m
+        return pos
+
+    def add_attention(self, mass8: torch.Tensor, massf: torch.Tensor, decay: float) -> None:
+        """Fold received attention mass (N8,), (Nf,) into the EMA and the cumulative sum."""
+        for part, mass in ((self.q, mass8), (self.fp, massf)):
+            if part.n:
+                ema = part.view("ema")
+                ema.mul_(decay).add_(mass, alpha=1 - decay)
+                part.view("cum").add_(mass)
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep tokens where ``mask`` (n,) is True, ordered as ``meta()`` (INT8 first)."""
+        n_q = self.q.n
+        self.q.keep(mask[:n_q])
+        self.fp.keep(mask[n_q:])
+
+    def demote_old(self, incoming: int = 0) -> None:
+        """Move FP tokens to INT8 that are (or, once ``incoming`` tokens arrive, will be) older
+        than the recent window: position < next_pos + incoming - window."""
+        if not self.int8 or self.fp.n == 0:
+            return
+        old = self.fp.view("pos") < self.next_pos + incoming - self.window
+        if not bool(old.any()):
+            return
+        moved = self.fp.take(old)
+        k8, ks = quantize_int8(moved["k"])
+        v8, vs = quantize_int8(moved["v"])
+        self.q.append(
+            {
+                "k": k8,
+                "v": v8,
+                "ks": ks,
+                "vs": vs,
+                "pos": moved["pos"],
+                "ema": moved["ema"],
+                "cum": moved["cum"],
+            }
+        )
+        self.fp.keep(~old)

@@ -1,0 +1,1 @@
+"""Conf-KV package."""
