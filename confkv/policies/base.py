@@ -89,20 +89,35 @@ class CachePolicy:
         budgets = self.layer_budgets(self.budget_rule().peak, geometry.n_layers)
         return geometry.bytes_bound(budgets, self.int8, self.w)
 
+    def _peak_bytes_at(self, tokens: int, geometry: KVGeometry) -> int | None:
+        """Peak bytes when scaled to ``tokens``; None when that budget cannot be split over the
+        layers (a pyramid needs somewhat more than ``min_tokens`` per layer on average)."""
+        try:
+            return self.replace(bytes=None).scaled_to_peak(tokens).peak_bytes_bound(geometry)
+        except ValueError:
+            return None
+
     def resolve(self, geometry: KVGeometry) -> CachePolicy:
         """Turn a byte budget into token budgets for this model (largest that fits)."""
         if self.bytes is None or not self.evicts:
             return self
-        lo, hi = self.min_tokens, self.min_tokens
-        if self.replace(bytes=None).scaled_to_peak(lo).peak_bytes_bound(geometry) > self.bytes:
+        lo = 1  # min_tokens may depend on the budget itself (h2o's recent = n/2)
+        while self._peak_bytes_at(lo, geometry) is None and lo < 1 << 24:
+            lo += max(1, lo // 8)
+
+        def fits(n: int) -> bool:
+            bound = self._peak_bytes_at(n, geometry)
+            return bound is not None and bound <= self.bytes
+
+        if not fits(lo):
             raise ValueError(f"{self.name}: bytes={self.bytes} cannot hold even {lo} tokens per layer")
-        while self.replace(bytes=None).scaled_to_peak(hi * 2).peak_bytes_bound(geometry) <= self.bytes:
+        hi = lo
+        while fits(hi * 2):
             hi *= 2
         hi *= 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            fits = self.replace(bytes=None).scaled_to_peak(mid).peak_bytes_bound(geometry) <= self.bytes
-            lo, hi = (mid, hi) if fits else (lo, mid)
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return self.replace(bytes=None).scaled_to_peak(lo)
 
     def replace(self, **changes) -> CachePolicy:

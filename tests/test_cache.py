@@ -1,0 +1,128 @@
+"""ConfKVCache in real HF models: exactness, positions after eviction, bytes, batching, HF generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.cache import ConfKVCache
+from confkv.decode import decode_one_token, generate, prefill, sample, teacher_forced_logits
+from confkv.memory import KVGeometry
+from confkv.policies import parse_policy
+from confkv.processor import ConfidenceProcessor
+from tests.conftest import tiny_llama
+
+
+def banded_mask(t: int, n: int, sinks: int = 0) -> torch.Tensor:
+    """Additive (1, 1, T, T) mask: token i sees j in (i-n+sinks, i] and the first ``sinks`` tokens."""
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None]
+    ok = (j <= i) & ((j > i - n + sinks) | (j < sinks))
+    return torch.zeros(t, t).masked_fill(~ok, float("-inf"))[None, None]
+
+
+def reference_logits(model, ids, mask=None):
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return model(ids, attention_mask=mask).logits
+    finally:
+        model.set_attn_implementation(impl)
+
+
+def test_full_reproduces_model_logits(tiny_model, token_ids):
+    ref = reference_logits(tiny_model, token_ids)
+    got = teacher_forced_logits(tiny_model, ConfKVCache.for_model(tiny_model, "full"), token_ids)
+    assert (got - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("spec, n, sinks", [("window:n=32", 32, 0), ("sinks:s=4,n=32", 32, 4)])
+def test_window_and_sinks_equal_banded_attention(tiny_model, token_ids, spec, n, sinks):
+    ids = token_ids[:, :150]
+    ref = reference_logits(tiny_model, ids, banded_mask(150, n, sinks))
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    got = teacher_forced_logits(tiny_model, cache, ids)
+    assert (got - ref).abs().max() <= 1e-4
+    assert cache.get_seq_length() == 150  # true positions continue after eviction
+    assert cache.seqs[0].tokens_per_layer() == [n] * 3
+
+
+def test_chunked_prefill_matches_full_forward(tiny_model, token_ids):
+    ref = reference_logits(tiny_model, token_ids)
+    cache = ConfKVCache.for_model(tiny_model, "full")
+    got = teacher_forced_logits(tiny_model, cache, token_ids, prefix=200)
+    assert (got - ref[:, 199:]).abs().max() <= 1e-4
+
+
+SPECS = ["full", "window:n=40", "sinks:s=4,n=40", "h2o:n=40", "random:n_high=48,n_low=24,p=8,s=2",
+         "recency:n_high=48,n_low=24,p=8,s=2", "attention:n_high=48,n_low=24,p=8,s=2",
+         "confkv:n_high=48,n_low=24,p=8,s=2", "confkv:n_high=48,n_low=24,p=8,s=2,int8=1,w=16,pyramid=1"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_bytes_are_exact_and_peak_within_budget(tiny_model, token_ids, spec):
+    geo = KVGeometry.from_config(tiny_model.config, torch.float32)
+    policy = parse_policy(spec)
+    cache = ConfKVCache.for_model(tiny_model, policy)
+    teacher_forced_logits(tiny_model, cache, token_ids, prefix=100)
+    seq = cache.seqs[0]
+    stored = sum(t.nbytes for store in seq.stores for t in store.kv_views())
+    assert seq.nbytes() == stored
+    bound = geo.full_bytes(300) if not policy.evicts else policy.peak_bytes_bound(geo)
+    assert 0 < seq.stats.peak_bytes <= bound
+    if policy.evicts:
+        assert max(seq.tokens_per_layer()) <= max(policy.layer_budgets(policy.budget_rule().peak, 3))
+
+
+def test_byte_budget_spec_caps_peak_bytes(tiny_model, token_ids):
+    geo = KVGeometry.from_config(tiny_model.config, torch.float32)
+    target = parse_policy("window:n=40").peak_bytes_bound(geo)
+    for spec in ["window", "h2o", "confkv:p=8,s=2", "confkv:p=8,s=2,int8=1,w=16"]:
+        cache = ConfKVCache.for_model(tiny_model, f"{spec}{',' if ':' in spec else ':'}bytes={target}")
+        teacher_forced_logits(tiny_model, cache, token_ids, prefix=120)
+        assert cache.seqs[0].stats.peak_bytes <= target, spec
+
+
+def test_batched_ragged_decode_equals_each_alone(tiny_model, token_ids):
+    specs = ["full", "window:n=24", "confkv:n_high=32,n_low=16,p=4,s=2,int8=1,w=8", "h2o:n=24"]
+    prompts = [token_ids[:, :n] for n in (20, 35, 50, 27)]
+    alone = []
+    for spec, prompt in zip(specs, prompts, strict=True):
+        alone.append(generate(tiny_model, ConfKVCache.for_model(tiny_model, spec), prompt, 12).tokens)
+    caches = [ConfKVCache.for_model(tiny_model, s) for s in specs]
+    logits = torch.stack([prefill(tiny_model, c, p)[0] for c, p in zip(caches, prompts, strict=True)])
+    batch = ConfKVCache([c.seqs[0] for c in caches])
+    together = [[] for _ in specs]
+    for _ in range(12):
+        tokens = sample(logits)
+        for row, tok in zip(together, tokens.tolist(), strict=True):
+            row.append(tok)
+        logits = decode_one_token(tiny_model, batch, tokens)
+    assert together == alone
+
+
+def test_hf_generate_with_confidence_processor():
+    model = tiny_llama()
+    from confkv.attention import enable
+
+    ids = torch.randint(0, 101, (1, 30), generator=torch.Generator().manual_seed(0))
+    plain = model.generate(ids, max_new_tokens=15, do_sample=False)
+    enable(model)
+    cache = ConfKVCache.for_model(model, "full")
+    ours = model.generate(ids, past_key_values=cache, max_new_tokens=15, do_sample=False,
+                          logits_processor=[ConfidenceProcessor(cache)])
+    assert torch.equal(plain, ours)
+    cache = ConfKVCache.for_model(model, "confkv:n_high=24,n_low=12,p=4,s=2")
+    proc = ConfidenceProcessor(cache)
+    model.generate(ids, past_key_values=cache, max_new_tokens=15, do_sample=False, logits_processor=[proc])
+    assert len(proc.history) == 15 and max(cache.seqs[0].tokens_per_layer()) <= 24
+
+
+def test_api_errors_are_value_errors(tiny_model):
+    cache = ConfKVCache.for_model(tiny_model, "full")
+    with pytest.raises(ValueError, match="empty prompt"):
+        prefill(tiny_model, cache, torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(tiny_model, cache, torch.ones(1, 3, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="unknown policy"):
+        ConfKVCache.for_model(tiny_model, "lru")

@@ -1,0 +1,100 @@
+"""Policy specs, budgets, selection and the matched-rate schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.budgets import GatedBudget, pyramid_split
+from confkv.confidence import ConfidenceWeights, confidence
+from confkv.memory import KVGeometry
+from confkv.policies import MATCHED_RATE, POLICIES, parse_policy, select_keep
+from confkv.sequence import SequenceCache
+
+DEFAULT_SPECS = ["full", "window:n=64", "sinks:s=4,n=64", "h2o:n=64", "random", "recency", "attention",
+                 "confkv", "confkv:n_high=512,n_low=256,tau=0.5,p=64,int8=1,pyramid=1"]
+
+
+@pytest.mark.parametrize("spec", DEFAULT_SPECS)
+def test_spec_round_trips(spec):
+    policy = parse_policy(spec)
+    assert parse_policy(policy.spec()) == policy
+
+
+def test_every_policy_is_registered():
+    assert set(POLICIES) == {"full", "window", "sinks", "h2o", "random", "recency", "attention", "confkv"}
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [("", "empty"), ("nope", "unknown policy"), ("window:n=abc", "not a valid int"),
+     ("window:q=3", "unknown key"), ("window:n", "key=value"), ("confkv:n_high=10,n_low=20", "n_low"),
+     ("confkv:tau=2", "tau"), ("full:int8=1", "full"), ("window:n=0", "budget"), ("window:n=8,n=9", "twice"),
+     ("confkv:w_ent=0.9", "sum to 1"), ("window:bytes=-5", "bytes")],
+)
+def test_bad_specs_raise_value_error(spec, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse_policy(spec)
+
+
+def test_confidence_is_high_for_peaked_and_low_for_flat():
+    flat = torch.zeros(1000)
+    peaked = torch.zeros(1000)
+    peaked[3] = 30.0
+    assert confidence(flat).item() == pytest.approx(0.3 * 0.5 + 0.3 * 1e-3, abs=1e-4)
+    assert confidence(peaked).item() > 0.99
+    w = ConfidenceWeights(1.0, 0.0, 0.0)
+    assert confidence(flat, w).item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_gated_budget():
+    rule = GatedBudget(512, 256, 0.5)
+    assert rule(None) == 512 and rule(0.2) == 512 and rule(0.9) == 256
+
+
+@pytest.mark.parametrize("total, layers, slope", [(512, 30, 0.5), (100, 7, 0.9), (64, 1, 0.5), (33, 4, 0.3)])
+def test_pyramid_sums_to_flat_total_and_decreases(total, layers, slope):
+    sizes = pyramid_split(total, layers, slope, minimum=5)
+    assert sum(sizes) == total * layers
+    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    assert min(sizes) >= 5
+
+
+def test_select_keep_protects_recent_and_sinks():
+    positions = torch.arange(20)
+    scores = -positions.float()  # prefers old tokens
+    keep = select_keep(scores, positions, keep=8, protect_from=16, sinks=2)
+    assert keep.sum() == 8
+    assert keep[16:].all() and keep[:2].all()
+
+
+def test_byte_budget_resolves_to_largest_fitting_tokens():
+    geo = KVGeometry(n_layers=30, n_kv_heads=3, head_dim=64, dtype_bytes=4)
+    ref = parse_policy("window:n=512").peak_bytes_bound(geo)
+    for spec in ["window", "sinks", "h2o", "confkv", "confkv:int8=1", "confkv:int8=1,pyramid=1"]:
+        pol = parse_policy(f"{spec}{',' if ':' in spec else ':'}bytes={ref}").resolve(geo)
+        assert pol.peak_bytes_bound(geo) <= ref
+        assert pol.scaled_to_peak(pol.budget_rule().peak + 1).peak_bytes_bound(geo) > ref
+    int8 = parse_policy(f"confkv:int8=1,bytes={ref}").resolve(geo)
+    assert int8.budget_rule().peak > 2 * 512  # INT8 buys more than twice the tokens
+
+
+def test_matched_rate_policies_follow_identical_schedule():
+    """Same confidence trace -> random/recency/attention evict exactly what confkv evicts, when it does."""
+    geo = KVGeometry(n_layers=3, n_kv_heads=2, head_dim=8, dtype_bytes=4)
+    trace = torch.rand(120, generator=torch.Generator().manual_seed(0)).tolist()
+    counts = {}
+    for name in MATCHED_RATE:
+        seq = SequenceCache(parse_policy(f"{name}:n_high=24,n_low=12,p=4,s=2"), geo, torch.float32, "cpu")
+        g = torch.Generator().manual_seed(3)
+        for c in trace:
+            for layer in range(3):
+                seq.before_append(layer, 1)
+                seq.append(layer, torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g))
+                mass = torch.rand(len(seq.stores[layer]), generator=g)
+                seq.after_attention(layer, mass[: seq.stores[layer].q.n], mass[seq.stores[layer].q.n :])
+            seq.observe_confidence(c)
+        counts[name] = (seq.stats.evictions_per_step, seq.tokens_per_layer())
+    assert sum(counts["confkv"][0]) > 0
+    for name in MATCHED_RATE:
+        assert counts[name] == counts["confkv"], name

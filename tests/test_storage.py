@@ -1,0 +1,74 @@
+"""Mixed INT8/FP storage: quantization error, compaction, exact byte accounting."""
+
+from __future__ import annotations
+
+import torch
+
+from confkv.storage import LayerStore
+from confkv_kernels.reference import decode_attention_ref, dequantize_int8_ref, quantize_int8_ref
+
+
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    x = torch.randn(3, 50, 64) * torch.logspace(-2, 1, 50).view(1, 50, 1)
+    x8, scale = quantize_int8_ref(x)
+    assert x8.dtype == torch.int8 and scale.dtype == torch.float16 and scale.shape == (3, 50)
+    err = (dequantize_int8_ref(x8, scale, torch.float32) - x).abs()
+    bound = scale.float().unsqueeze(-1) * 0.5 + 1e-7
+    assert (err <= bound).all()
+    rel = err.amax(-1) / x.abs().amax(-1)
+    assert rel.max() < 1 / 127 + 1e-3
+
+
+def test_attention_over_int8_is_close_to_fp_attention():
+    g = torch.Generator().manual_seed(0)
+    hkv, groups, n, d = 2, 3, 200, 64
+    q = torch.randn(1, hkv * groups, d, generator=g)
+    k, v = torch.randn(hkv, n, d, generator=g), torch.randn(hkv, n, d, generator=g)
+    empty8, empty_s = torch.zeros(hkv, 0, d, dtype=torch.int8), torch.zeros(hkv, 0, dtype=torch.float16)
+    full_off = torch.tensor([0, n], dtype=torch.int32)
+    zero_off = torch.tensor([0, 0], dtype=torch.int32)
+    ref, _, ref_mass = decode_attention_ref(q, empty8, empty_s, empty8, empty_s, k, v, zero_off, full_off, 0.125)
+    w = 32  # the newest 32 tokens stay FP, the rest INT8
+    k8, ks = quantize_int8_ref(k[:, : n - w])
+    v8, vs = quantize_int8_ref(v[:, : n - w])
+    out, m8, mf = decode_attention_ref(
+        q, k8, ks, v8, vs, k[:, n - w :], v[:, n - w :],
+        torch.tensor([0, n - w], dtype=torch.int32), torch.tensor([0, w], dtype=torch.int32), 0.125,
+    )
+    assert (out - ref).abs().max() < 2e-2
+    assert (torch.cat([m8, mf], 1) - ref_mass).abs().max() < 2e-2
+    assert torch.allclose(torch.cat([m8, mf], 1).sum(1), torch.full((hkv,), float(groups)), atol=1e-4)
+
+
+def _stored_nbytes(store: LayerStore) -> int:
+    return sum(t.nbytes for t in store.kv_views())
+
+
+def test_store_demotes_old_tokens_compacts_and_counts_bytes_exactly():
+    store = LayerStore(2, 8, torch.float32, "cpu", int8=True, window=4)
+    g = torch.Generator().manual_seed(0)
+    for step in range(30):
+        store.demote_old(1)
+        store.append(torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g))
+        assert store.fp.n <= 4
+        assert (store.fp.view("pos") >= store.next_pos - 4).all()
+        if len(store) > 10:
+            mask = torch.ones(len(store), dtype=torch.bool)
+            mask[step % len(store)] = False
+            store.keep(mask)
+        assert store.nbytes() == _stored_nbytes(store)
+        positions = store.meta("pos")
+        assert positions.unique().numel() == positions.numel() == len(store)
+    assert store.q.n > 0 and store.nbytes() == store.fp.n * 2 * 2 * 8 * 4 + store.q.n * 2 * 2 * (8 + 2)
+
+
+def test_keep_preserves_the_kept_tokens_values():
+    store = LayerStore(1, 4, torch.float32, "cpu", int8=False, window=1 << 30)
+    keys = torch.arange(40, dtype=torch.float32).view(1, 10, 4)
+    store.append(keys, keys.clone())
+    mask = torch.tensor([True, False, True, False, False, True, True, False, True, True])
+    store.keep(mask)
+    kept = dict(zip(store.meta("pos").tolist(), store.fp.view("k")[0].tolist(), strict=True))
+    assert sorted(kept) == [0, 2, 5, 6, 8, 9]
+    for pos, row in kept.items():
+        assert row == keys[0, pos].tolist()
