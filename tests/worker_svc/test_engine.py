@@ -1,0 +1,215 @@
+"""Engine: batched decoding equals each session alone, exact footprints, the pool is never exceeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.cache import ConfKVCache
+from confkv.decode import generate
+from worker_svc.codec import ByteChatCodec
+from worker_svc.types import (
+    ChatMessage,
+    FinishReason,
+    InvalidRequest,
+    PoolExhausted,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+    SessionState,
+    TokenEvent,
+    TurnDone,
+    TurnRequest,
+)
+
+POLICIES = [
+    "full",
+    "window:n=24",
+    "confkv:n_high=32,n_low=16,p=4,s=2",
+    "confkv:n_high=40,n_low=20,p=4,s=2,int8=1,w=8,pyramid=1",
+]
+PROMPTS = [
+    "Tell me about the weather in Bath.",
+    "Hi",
+    "A much longer question, so that the prompts are ragged and take several prefill chunks to feed.",
+    "Why do elephants never forget their umbrellas on a Tuesday?",
+]
+
+
+def user(text: str) -> tuple[ChatMessage, ...]:
+    return (ChatMessage("user", text),)
+
+
+def events_of(handle) -> tuple[list[TokenEvent], TurnDone]:
+    events = []
+    while not handle.events.empty():
+        events.append(handle.events.get_nowait())
+    assert isinstance(events[-1], TurnDone)
+    return events[:-1], events[-1]
+
+
+def alone(model, policy: str, prompt: str, max_new: int, chunk: int) -> list[int]:
+    codec = ByteChatCodec()
+    ids = torch.tensor([codec.encode_chat(user(prompt))])
+    cache = ConfKVCache.for_model(model, policy)
+    return generate(model, cache, ids, max_new, set(codec.eos_ids), chunk_size=chunk).tokens
+
+
+def exact_bytes(seq) -> int:
+    return sum(store.nbytes() for store in seq.stores)
+
+
+def test_batch_of_four_equals_each_alone(model, make_engine):
+    engine = make_engine()
+    handles = []
+    for i, (policy, prompt) in enumerate(zip(POLICIES, PROMPTS, strict=True)):
+        engine.open_session(f"s{i}", policy, [])
+        handles.append(engine.submit(TurnRequest(f"s{i}", user(prompt), max_new_tokens=24)))
+    sizes = []
+    engine.on_step = lambda st: sizes.append(st.batch_size)
+    engine.run_until_idle()
+    assert max(sizes) == 4  # all four advanced in one forward
+    for policy, prompt, handle in zip(POLICIES, PROMPTS, handles, strict=True):
+        tokens, done = events_of(handle)
+        got = [e.token_id for e in tokens] + ([ByteChatCodec.END] if done.reason is FinishReason.EOS else [])
+        assert got == alone(model, policy, prompt, 24, 16), policy
+        assert done.generated_tokens == len(got)
+
+
+def test_footprint_equals_exact_cache_bytes_every_step(make_engine):
+    engine = make_engine()
+    for i, policy in enumerate(POLICIES):
+        engine.open_session(f"s{i}", policy, [ChatMessage("system", "You are terse.")])
+        engine.submit(TurnRequest(f"s{i}", user(PROMPTS[i]), max_new_tokens=12))
+    while engine.step():
+        fp = engine.footprint()
+        by_id = {s.session_id: s for s in fp.sessions}
+        for sid, session in engine.sessions.items():
+            assert by_id[sid].kv_bytes == exact_bytes(session.seq)
+            assert by_id[sid].kv_bytes <= by_id[sid].reserved_bytes
+        assert fp.used_bytes == sum(exact_bytes(s.seq) for s in engine.sessions.values())
+    fp = engine.footprint()
+    assert fp.active_sessions == fp.queued_requests == 0 and fp.open_sessions == 4
+    assert all(s.state is SessionState.IDLE and s.turns == 3 for s in fp.sessions)
+    assert fp.reserved_bytes == fp.used_bytes  # idle sessions reserve what they hold
+
+
+def test_pool_limit_is_never_exceeded_and_queued_turns_complete(make_engine):
+    probe = make_engine()
+    one = probe.estimate(POLICIES[2], [], context_tokens=200, max_new=16).worst_case_bytes
+    engine = make_engine(kv_pool_bytes=int(one * 2.5), max_queue=16)
+    seen = []
+    engine.on_step = lambda st: seen.append((st.used_bytes, engine.footprint(False).reserved_bytes))
+    handles = []
+    for i in range(6):
+        engine.open_session(f"s{i}", POLICIES[2 + i % 2], [])
+        handles.append(engine.submit(TurnRequest(f"s{i}", user(PROMPTS[i % 4] * 3), max_new_tokens=16)))
+    assert engine.footprint().queued_requests == 6
+    engine.run_until_idle()
+    capacity = engine.config.kv_pool_bytes
+    assert seen and all(used <= capacity and reserved <= capacity for used, reserved in seen)
+    assert all(events_of(h)[1].reason in (FinishReason.EOS, FinishReason.MAX_TOKENS) for h in handles)
+
+
+def test_turn_larger_than_the_pool_is_refused_with_a_reason(make_engine):
+    engine = make_engine(kv_pool_bytes=10_000)
+    engine.open_session("big", "full", [])
+    with pytest.raises(PoolExhausted, match="pool holds 10000"):
+        engine.submit(TurnRequest("big", user("hello there"), max_new_tokens=500))
+    assert engine.session_report("big").state is SessionState.IDLE
+
+
+def test_full_queue_is_refused(make_engine):
+    engine = make_engine(max_queue=1)
+    engine.open_session("a", "window:n=24", [])
+    engine.open_session("b", "window:n=24", [])
+    engine.submit(TurnRequest("a", user("one"), max_new_tokens=2))
+    with pytest.raises(PoolExhausted, match="queue is full"):
+        engine.submit(TurnRequest("b", user("two"), max_new_tokens=2))
+    with pytest.raises(SessionBusy):
+        engine.submit(TurnRequest("a", user("again"), max_new_tokens=2))
+
+
+def test_idle_kv_is_released_under_pressure_and_rebuilt(make_engine):
+    probe = make_engine()
+    one = probe.estimate(POLICIES[1], [], context_tokens=120, max_new=8).worst_case_bytes
+    engine = make_engine(kv_pool_bytes=int(one * 1.5))
+    engine.open_session("a", POLICIES[1], [])
+    engine.open_session("b", POLICIES[1], [])
+    engine.submit(TurnRequest("a", user("first session"), max_new_tokens=8))
+    engine.run_until_idle()
+    assert engine.session_report("a").kv_bytes > 0
+    engine.submit(TurnRequest("b", user("second session"), max_new_tokens=8))
+    engine.run_until_idle()
+    assert engine.session_report("a").kv_bytes == 0 and engine.session_report("a").turns == 2
+    handle = engine.submit(TurnRequest("a", user("and again"), max_new_tokens=8))
+    engine.run_until_idle()
+    _, done = events_of(handle)
+    # rebuilt from the transcript: this turn fed the whole conversation, not just a suffix
+    assert done.prompt_tokens == done.context_tokens - done.generated_tokens + 1
+    assert engine.session_report("a").turns == 4
+
+
+def test_cancel_mid_stream_frees_kv_and_keeps_the_transcript(make_engine):
+    engine = make_engine()
+    engine.open_session("c", "full", [ChatMessage("system", "be brief")])
+    handle = engine.submit(TurnRequest("c", user("count to one hundred"), max_new_tokens=50))
+    for _ in range(5):
+        engine.step()
+    assert engine.session_report("c").kv_bytes > 0
+    handle.cancel()
+    engine.run_until_idle()
+    tokens, done = events_of(handle)
+    assert done.reason is FinishReason.CANCELLED and 0 < len(tokens) < 50
+    report = engine.session_report("c")
+    assert report.kv_bytes == report.reserved_bytes == 0 and report.turns == 1
+    assert engine.footprint().used_bytes == 0
+
+
+def test_drop_frees_everything(make_engine):
+    engine = make_engine()
+    engine.open_session("d", "window:n=24", [])
+    engine.submit(TurnRequest("d", user("hello"), max_new_tokens=4))
+    engine.run_until_idle()
+    freed = engine.drop("d")
+    assert freed > 0 and engine.footprint().used_bytes == 0
+    with pytest.raises(SessionNotFound):
+        engine.drop("d")
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda e: e.open_session("x", "confkv:n_high=banana", []), InvalidRequest),
+        (lambda e: e.open_session("x", "nosuchpolicy", []), InvalidRequest),
+        (lambda e: e.open_session("", "full", []), InvalidRequest),
+        (lambda e: e.open_session("ok", "full", []), SessionExists),
+        (lambda e: e.submit(TurnRequest("ghost", user("hi"))), SessionNotFound),
+        (lambda e: e.submit(TurnRequest("ok", user("   "))), InvalidRequest),
+        (lambda e: e.submit(TurnRequest("ok", user("x" * 5000))), InvalidRequest),
+        (lambda e: e.submit(TurnRequest("ok", (ChatMessage("robot", "hi"),))), InvalidRequest),
+        (lambda e: e.submit(TurnRequest("ok", user("hi"), max_new_tokens=-1)), InvalidRequest),
+    ],
+)
+def test_bad_input_raises_domain_errors(make_engine, call, error):
+    engine = make_engine(max_message_chars=4000)
+    engine.open_session("ok", "full", [])
+    with pytest.raises(error):
+        call(engine)
+    engine.submit(TurnRequest("ok", user("still serving"), max_new_tokens=3))
+    assert engine.run_until_idle() > 0
+
+
+def test_background_thread_streams_and_stops(make_engine):
+    engine = make_engine()
+    engine.start()
+    try:
+        engine.open_session("t", POLICIES[2], [])
+        handle = engine.submit(TurnRequest("t", user("stream please"), max_new_tokens=10))
+        events = list(handle)
+        assert isinstance(events[-1], TurnDone) and all(isinstance(e, TokenEvent) for e in events[:-1])
+        assert "".join(e.text for e in events[:-1]) == events[-1].text or events[-1].text.endswith("\ufffd")
+    finally:
+        engine.stop(grace=1.0)
+    with pytest.raises(Exception, match="shutting down"):
+        engine.open_session("late", "full", [])

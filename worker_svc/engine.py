@@ -1,0 +1,366 @@
+"""Transport-free worker engine: many sessions, one model, continuous batching, a fixed KV pool.
+
+Each ``step()``: admit queued turns whose worst-case KV fits the pool (FIFO; idle sessions'
+caches are released, least recently used first, to make room), feed one prompt chunk per
+prefilling turn (eviction between chunks), then sample one token for every decoding turn and
+advance all of them in ONE batched forward over their ragged caches.
+
+Pool invariant: ``sum(reserved_bytes) <= kv_pool_bytes`` and every session's exact bytes stay
+within its reservation (a turn reserves ``min(policy peak bound, full cache of its context)``),
+so the bytes in use never exceed the pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from confkv.cache import ConfKVCache
+from confkv.decode import decode_one_token, forward, prefill_chunk_size, sample
+from confkv.memory import KVGeometry
+from confkv.sequence import SequenceCache
+from worker_svc import admission
+from worker_svc.codec import ChatCodec
+from worker_svc.session import Session, Turn, TurnHandle
+from worker_svc.stats import StepStats, ThroughputMeter
+from worker_svc.types import (
+    ChatMessage,
+    EngineConfig,
+    Estimate,
+    FinishReason,
+    Footprint,
+    InternalError,
+    InvalidRequest,
+    PoolExhausted,
+    SessionBusy,
+    SessionExists,
+    SessionNotFound,
+    SessionReport,
+    SessionState,
+    ShuttingDown,
+    TokenEvent,
+    TurnDone,
+    TurnFailed,
+    TurnRequest,
+)
+
+log = logging.getLogger("confkv.worker")
+
+
+class Engine:
+    def __init__(self, model, codec: ChatCodec, config: EngineConfig, on_step: Callable | None = None):
+        self.model, self.codec, self.config = model, codec, config
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.geometry = KVGeometry.from_config(model.config, self.dtype)
+        self.sessions: dict[str, Session] = {}
+        self.queue: collections.deque[Turn] = collections.deque()
+        self.active: list[Turn] = []
+        self.lock = threading.RLock()
+        self.wakeup = threading.Condition(self.lock)
+        self.meter = ThroughputMeter()
+        self.on_step = on_step
+        self.last_batch_size = 0
+        self.draining = False
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- session lifecycle (any thread) -------------------------------------------------------
+    def open_session(self, session_id: str, policy: str, transcript: Sequence[ChatMessage]) -> SessionReport:
+        admission.check_session_id(session_id)
+        resolved = admission.parse(policy or self.config.default_policy, self.geometry)
+        messages = admission.check_messages(transcript, self.config, allow_empty=True)
+        with self.lock:
+            self._check_open()
+            if session_id in self.sessions:
+                raise SessionExists(f"session {session_id!r} is already open on this worker")
+            session = Session(session_id, resolved, list(messages))
+            self.sessions[session_id] = session
+            log.info("session opened", extra={"session_id": session_id, "policy": resolved.spec()})
+            return session.report()
+
+    def submit(self, request: TurnRequest) -> TurnHandle:
+        """Queue a turn; raises InvalidRequest / SessionNotFound / SessionBusy / PoolExhausted."""
+        messages = admission.check_messages(request.messages, self.config, allow_empty=True)
+        max_new = admission.check_max_new_tokens(request.max_new_tokens, self.config)
+        with self.lock:
+            self._check_open()
+            session = self._get(request.session_id)
+            if session.turn is not None:
+                raise SessionBusy(f"session {request.session_id!r} already has a turn in progress")
+            ids = self.codec.encode_chat([*session.transcript, *messages])
+            limit = self.config.max_context_tokens
+            if len(ids) >= limit:
+                raise PoolExhausted(f"the conversation has {len(ids)} tokens; the context limit is {limit}")
+            capped = min(max_new, limit - len(ids))
+            reserve = admission.worst_case_bytes(session.policy, self.geometry, len(ids) + capped)
+            if reserve > self.config.kv_pool_bytes:
+                raise PoolExhausted(
+                    f"the turn needs up to {reserve} KV bytes ({session.policy.spec()}, {len(ids)} + "
+                    f"{capped} tokens); the pool holds {self.config.kv_pool_bytes}"
+                )
+            if len(self.queue) >= self.config.max_queue:
+                raise PoolExhausted(f"the wait queue is full ({self.config.max_queue} turns)")
+            handle = TurnHandle(TurnRequest(request.session_id, messages, max_new, *_rest(request)))
+            turn = Turn(session, handle, ids, capped, capped < max_new, reserve)
+            session.turn, session.state = turn, SessionState.QUEUED
+            self.queue.append(turn)
+            self.wakeup.notify_all()
+            return handle
+
+    def drop(self, session_id: str, release_kv_only: bool = False) -> int:
+        """Drop a session (or only its KV); a running turn is cancelled. Returns freed bytes."""
+        with self.lock:
+            session = self._get(session_id)
+            freed = session.nbytes()
+            if session.turn is not None:
+                session.turn.handle.cancel()
+                session.dropping = not release_kv_only
+                if session.turn in self.queue:
+                    self._finish(session.turn, FinishReason.CANCELLED)
+                self.wakeup.notify_all()
+                return freed
+            session.release_kv()
+            if not release_kv_only:
+                del self.sessions[session_id]
+            log.info("session dropped", extra={"session_id": session_id, "freed_bytes": freed})
+            return freed
+
+    def estimate(self, policy: str, transcript: Sequence[ChatMessage], context_tokens: int, max_new: int):
+        resolved = admission.parse(policy or self.config.default_policy, self.geometry)
+        messages = admission.check_messages(transcript, self.config, allow_empty=True)
+        if context_tokens < 0:
+            raise InvalidRequest(f"context_tokens must be >= 0, got {context_tokens}")
+        max_new = admission.check_max_new_tokens(max_new, self.config)
+        tokens = context_tokens + (len(self.codec.encode_chat(messages)) if messages else 0)
+        worst = admission.worst_case_bytes(resolved, self.geometry, tokens + max_new)
+        bound = admission.policy_bound(resolved, self.geometry)
+        return Estimate(worst, bound or 0, resolved.spec(), tokens, worst <= self.config.kv_pool_bytes)
+
+    def footprint(self, include_sessions: bool = True) -> Footprint:
+        with self.lock:
+            sessions = tuple(s.report() for s in self.sessions.values())
+            return Footprint(
+                worker_id=self.config.worker_id,
+                capacity_bytes=self.config.kv_pool_bytes,
+                used_bytes=sum(s.kv_bytes for s in sessions),
+                reserved_bytes=sum(s.reserved_bytes for s in sessions),
+                active_sessions=len(self.active),
+                queued_requests=len(self.queue),
+                open_sessions=len(sessions),
+                batch_size=self.last_batch_size,
+                tokens_per_second=self.meter.rate(),
+                draining=self.draining,
+                sessions=sessions if include_sessions else (),
+            )
+
+    def session_report(self, session_id: str) -> SessionReport:
+        with self.lock:
+            return self._get(session_id).report()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step; returns False when there was nothing to do."""
+        with self.lock:
+            self._reap_cancelled()
+            self._admit()
+            work = list(self.active)
+        if not work:
+            return False
+        started = time.perf_counter()
+        for turn in work:
+            if turn.pending:
+                self._prefill_chunk(turn)
+        with self.lock:
+            decoding = [t for t in work if t.logits is not None and not t.pending]
+            continuing = [t for t in decoding if self._emit_next(t)]
+        if continuing:
+            tokens = torch.tensor([t.generated[-1] for t in continuing], device=self.device)
+            cache = ConfKVCache([t.session.seq for t in continuing])
+            logits = decode_one_token(self.model, cache, tokens)  # (B, V), one forward for all
+            for turn, row in zip(continuing, logits, strict=True):
+                turn.fed.append(turn.generated[-1])
+                turn.logits = row
+        with self.lock:
+            self.last_batch_size = len(continuing)
+            self.meter.add(len(decoding))
+            used = sum(s.nbytes() for s in self.sessions.values())
+        if self.on_step is not None:
+            self.on_step(StepStats(len(continuing), len(decoding), time.perf_counter() - started, used,
+                                   self.config.kv_pool_bytes))  # fmt: skip
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Step until no work is left (synchronous use: tests, benchmarks). Returns steps taken."""
+        for n in range(max_steps):
+            if not self.step():
+                return n
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="confkv-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Take no new work, let in-flight turns finish for ``grace`` s, cancel the rest."""
+        with self.lock:
+            self.draining = True
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (self.active or self.queue):
+            time.sleep(0.02)
+        with self.lock:
+            for turn in [*self.queue, *self.active]:
+                self._finish(turn, FinishReason.SHUTDOWN)
+            self._stop.set()
+            self.wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.step()
+            except Exception:  # a failing step must not kill the worker: fail its turns
+                log.exception("engine step failed")
+                with self.lock:
+                    for turn in list(self.active):
+                        self._finish(turn, FinishReason.CANCELLED, error="internal error in the decode step")
+                busy = True
+            if not busy:
+                with self.lock:
+                    if not (self.queue or self.active or self._stop.is_set()):
+                        self.wakeup.wait(timeout=0.1)
+
+    # -- internals (engine thread, lock held unless noted) --------------------------------------
+    def _check_open(self) -> None:
+        if self.draining:
+            raise ShuttingDown("the worker is shutting down")
+
+    def _get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"no session {session_id!r} on this worker")
+        return session
+
+    def _reap_cancelled(self) -> None:
+        for turn in [t for t in self.active if t.handle.cancelled]:
+            self._finish(turn, FinishReason.CANCELLED)
+        for turn in [t for t in self.queue if t.handle.cancelled]:
+            self._finish(turn, FinishReason.CANCELLED)
+
+    def _admit(self) -> None:
+        capacity = self.config.kv_pool_bytes
+        while self.queue and len(self.active) < self.config.max_batch_size:
+            turn = self.queue[0]
+            session = turn.session
+            others = sum(s.reserved_bytes for s in self.sessions.values() if s is not session)
+            missing = others + turn.reserve_bytes - capacity
+            if missing > 0:
+                others -= admission.release_idle(self.sessions, session, missing)
+            if others + turn.reserve_bytes > capacity:
+                return  # FIFO: wait until running turns finish and shrink their reservations
+            self.queue.popleft()
+            self._start(turn)
+
+    def _start(self, turn: Turn) -> None:
+        session = turn.session
+        ids = turn.prompt_ids
+        if session.seq is not None and ids[: len(session.fed_ids)] == session.fed_ids:
+            turn.pending = ids[len(session.fed_ids) :]
+        else:
+            if session.seq is not None:
+                log.info("rebuilding cache", extra={"session_id": session.session_id})
+            session.seq = SequenceCache(session.policy, self.geometry, self.dtype, self.device)
+            session.fed_ids = []
+            turn.pending = list(ids)
+        turn.prompt_tokens = len(turn.pending)
+        session.reserved_bytes = max(turn.reserve_bytes, session.nbytes())
+        session.state = SessionState.PREFILL
+        turn.started_at = time.perf_counter()
+        if turn.request.temperature > 0:
+            turn.generator = torch.Generator().manual_seed(turn.request.seed)
+        self.active.append(turn)
+        log.info(
+            "turn started",
+            extra={"session_id": session.session_id, "request_id": turn.request.request_id,
+                   "prompt_tokens": len(turn.pending), "reserve_bytes": turn.reserve_bytes},
+        )  # fmt: skip
+
+    def _prefill_chunk(self, turn: Turn) -> None:
+        """Feed one chunk of the turn's prompt (lock not held: the turn is the engine's)."""
+        cache = ConfKVCache([turn.session.seq])
+        size = prefill_chunk_size(cache, self.config.prefill_chunk)
+        chunk, turn.pending = turn.pending[:size], turn.pending[size:]
+        ids = torch.tensor([chunk], device=self.device)
+        logits = forward(self.model, cache, ids)[:, -1]  # (1, V)
+        turn.fed.extend(chunk)
+        if not turn.pending:
+            cache.observe_logits(logits)
+            turn.logits = logits[0]
+            turn.session.state = SessionState.DECODE
+
+    def _emit_next(self, turn: Turn) -> bool:
+        """Sample the turn's next token and stream it; returns True when it must be fed."""
+        token = int(sample(turn.logits[None], turn.request.temperature, turn.generator)[0])
+        turn.generated.append(token)
+        if token in self.codec.eos_ids:
+            self._finish(turn, FinishReason.EOS)
+            return False
+        text = self.codec.decode(turn.generated)
+        delta = ""
+        if not text.endswith("\ufffd") and text.startswith(turn.emitted_text):
+            delta, turn.emitted_text = text[len(turn.emitted_text) :], text
+        seq = turn.session.seq
+        event = TokenEvent(token, delta, len(turn.generated) - 1, seq.nbytes(), seq.budget)
+        turn.handle.events.put(event)
+        if len(turn.generated) >= turn.max_new_tokens:
+            self._finish(turn, FinishReason.CONTEXT if turn.context_capped else FinishReason.MAX_TOKENS)
+            return False
+        if turn.handle.cancelled:
+            self._finish(turn, FinishReason.CANCELLED)
+            return False
+        return True
+
+    def _finish(self, turn: Turn, reason: FinishReason, error: str | None = None) -> None:
+        session = turn.session
+        if turn in self.active:
+            self.active.remove(turn)
+        if turn in self.queue:
+            self.queue.remove(turn)
+        completed = reason in (FinishReason.EOS, FinishReason.MAX_TOKENS, FinishReason.CONTEXT)
+        text = self.codec.decode(turn.generated)
+        if completed:
+            session.transcript += [*turn.request.messages, ChatMessage("assistant", text)]
+            session.fed_ids += turn.fed
+            session.reserved_bytes = session.nbytes()
+        else:  # the cancelled turn is not committed: its KV goes, the transcript stays
+            session.release_kv()
+        session.turn, session.state, session.last_used = None, SessionState.IDLE, time.monotonic()
+        if session.dropping:
+            session.release_kv()
+            self.sessions.pop(session.session_id, None)
+        now = time.perf_counter()
+        started = turn.started_at or now
+        if error is not None:
+            turn.handle.events.put(TurnFailed(InternalError(error)))
+        else:
+            done = TurnDone(reason, text, turn.prompt_tokens, len(turn.generated),
+                            session.seq.seen_tokens if session.seq else 0, session.report(), now - started,
+                            started - turn.enqueued_at)  # fmt: skip
+            turn.handle.events.put(done)
+        log.info(
+            "turn finished",
+            extra={"session_id": session.session_id, "request_id": turn.request.request_id,
+                   "reason": reason.value, "generated_tokens": len(turn.generated)},
+        )  # fmt: skip
+
+
+def _rest(request: TurnRequest) -> tuple:
+    return request.temperature, request.seed, request.request_id

@@ -1,0 +1,166 @@
+"""Domain types of the worker engine: config, errors, streamed events and footprint reports.
+
+Units: ``*_bytes`` are exact stored KV bytes; ``*_tokens`` are tokens. Proto types never appear
+here (the gRPC servicer translates).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class WorkerError(Exception):
+    """Base of the errors a caller can act on (mapped to gRPC status codes by the servicer)."""
+
+
+class InvalidRequest(WorkerError, ValueError):
+    """Bad input: policy spec, empty/oversized message, negative max tokens (INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(WorkerError, LookupError):
+    """No session with that id on this worker (NOT_FOUND)."""
+
+
+class SessionExists(WorkerError):
+    """The session id is already open on this worker (ALREADY_EXISTS)."""
+
+
+class SessionBusy(WorkerError):
+    """A turn is already queued or running in that session (FAILED_PRECONDITION)."""
+
+
+class PoolExhausted(WorkerError):
+    """The KV pool, the context limit or the wait queue cannot take the work (RESOURCE_EXHAUSTED)."""
+
+
+class ShuttingDown(WorkerError):
+    """The engine is draining and takes no new work (UNAVAILABLE)."""
+
+
+class InternalError(WorkerError):
+    """A decode step failed; the turn is abandoned, the worker keeps serving (INTERNAL)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_pool_bytes: int
+    max_batch_size: int = 16
+    max_queue: int = 64
+    prefill_chunk: int = 256
+    default_max_new_tokens: int = 256
+    max_new_tokens_limit: int = 4096
+    max_message_chars: int = 32_000
+    max_context_tokens: int = 8192
+    default_policy: str = "confkv"
+    worker_id: str = "worker"
+
+    def __post_init__(self) -> None:
+        positive = (
+            "kv_pool_bytes", "max_batch_size", "prefill_chunk", "default_max_new_tokens",
+            "max_new_tokens_limit", "max_message_chars", "max_context_tokens",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"EngineConfig.max_queue must be >= 0, got {self.max_queue}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError("EngineConfig.default_max_new_tokens exceeds max_new_tokens_limit")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    MAX_TOKENS = "max_tokens"
+    CANCELLED = "cancelled"
+    CONTEXT = "context"
+    SHUTDOWN = "shutdown"
+
+
+class SessionState(enum.Enum):
+    IDLE = "idle"
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    session_id: str
+    messages: tuple[ChatMessage, ...]
+    max_new_tokens: int = 0  # 0 = engine default
+    temperature: float = 0.0
+    seed: int = 0
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class SessionReport:
+    session_id: str
+    policy: str
+    state: SessionState
+    kv_bytes: int
+    reserved_bytes: int
+    peak_bytes: int
+    budget_tokens: int
+    cached_tokens: int
+    context_tokens: int
+    turns: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str
+    index: int
+    session_bytes: int
+    budget_tokens: int
+
+
+@dataclass(frozen=True)
+class TurnDone:
+    reason: FinishReason
+    text: str
+    prompt_tokens: int
+    generated_tokens: int
+    context_tokens: int
+    session: SessionReport
+    seconds: float
+    queued_seconds: float
+
+
+@dataclass(frozen=True)
+class TurnFailed:
+    """The turn could not run (e.g. admission refused after queueing); ``error`` says why."""
+
+    error: WorkerError
+
+
+@dataclass(frozen=True)
+class Estimate:
+    worst_case_bytes: int
+    policy_bound_bytes: int  # 0 = unbounded (full)
+    resolved_policy: str
+    context_tokens: int
+    fits_pool: bool
+
+
+@dataclass(frozen=True)
+class Footprint:
+    worker_id: str
+    capacity_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    active_sessions: int
+    queued_requests: int
+    open_sessions: int
+    batch_size: int
+    tokens_per_second: float
+    draining: bool
+    sessions: tuple[SessionReport, ...] = field(default_factory=tuple)
