@@ -1,0 +1,243 @@
+"""The worker pool as the scheduler sees it: footprint reports, reservations, the admission
+queue, in-flight turns and idle times, all behind one lock. Transport-free."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from confkv.policies import parse_policy
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.domain import ClusterStats, SessionRecord, SessionView, WorkerReport, WorkerStats
+from scheduler_svc.errors import Conflict, InvalidArgument, ResourceExhausted, Unavailable, WorkerUnavailable
+from scheduler_svc.placement import AdmissionQueue, Placer, Ticket, reservation_bytes
+from scheduler_svc.workers import WorkerClient
+
+log = logging.getLogger("confkv.scheduler")
+
+
+class Cluster:
+    def __init__(
+        self,
+        workers: list[WorkerClient],
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not workers:
+            raise ValueError("the scheduler needs at least one worker")
+        self.clients = {w.address: w for w in workers}
+        if len(self.clients) != len(workers):
+            raise ValueError("worker addresses must be distinct")
+        self.config, self.clock = config, clock
+        self.placer = Placer()
+        self.queue = AdmissionQueue(config.queue_limit)
+        self.reports: dict[str, WorkerReport] = {}
+        self._cond = threading.Condition()
+        self._last_active: dict[str, float] = {}
+        self._busy: set[str] = set()
+        self._errors: dict[str, str] = {}
+
+    # -- worker health ---------------------------------------------------------------------
+    def poll(self) -> None:
+        """Fetch every worker's footprint; a worker that does not answer is marked down."""
+        for address, client in self.clients.items():
+            try:
+                report = client.report()
+            except WorkerUnavailable as err:
+                self.worker_down(address, str(err))
+                continue
+            with self._cond:
+                self.placer.update(report)
+                self.reports[address] = report
+                self._drain()
+
+    def worker_down(self, address: str, reason: str = "") -> list[str]:
+        with self._cond:
+            was_healthy = address in self.placer.workers and self.placer.workers[address].healthy
+            lost = self.placer.mark_down(address)
+            self._errors[address] = reason
+            self._cond.notify_all()
+        if was_healthy:
+            log.warning("worker %s is down (%s); %d session(s) will be re-placed", address, reason, len(lost))
+        return lost
+
+    # -- models and footprints ----------------------------------------------------------------
+    def default_model(self) -> str:
+        with self._cond:
+            models = sorted({r.model for r in self.reports.values()})
+        if not models:
+            raise Unavailable("no worker has reported yet; is any worker running?")
+        return models[0]
+
+    def reservation(self, model: str, policy_spec: str) -> int:
+        """Worst-case KV bytes of a session of ``policy_spec`` on ``model`` (validates both)."""
+        try:
+            policy = parse_policy(policy_spec)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        with self._cond:
+            report = next((r for r in self.reports.values() if r.model == model), None)
+            served = sorted({r.model for r in self.reports.values()})
+        if report is None:
+            raise InvalidArgument(f"no worker serves model {model!r}; served: {', '.join(served) or 'none'}")
+        try:
+            return reservation_bytes(policy, report.geometry, report.max_context)
+        except ValueError as err:  # e.g. a byte budget too small for this model
+            raise InvalidArgument(str(err)) from None
+
+    # -- placement -----------------------------------------------------------------------------
+    def location(self, session_id: str) -> str | None:
+        with self._cond:
+            address = self.placer.location.get(session_id)
+            return address if address and self.placer.workers[address].healthy else None
+
+    def request(
+        self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()
+    ) -> Ticket:
+        """Join the fair queue for ``need`` bytes; the ticket is admitted at once if room exists
+        and nobody of the same model waits ahead. Raises when it can never or not now be queued."""
+        with self._cond:
+            if not self.placer.serves(model, healthy_only=True):
+                raise Unavailable(f"no healthy worker serves model {model!r} right now; retry later")
+            largest = self.placer.largest_capacity(model)
+            if need > largest:
+                raise ResourceExhausted(
+                    f"this session needs up to {need} KV bytes, more than the largest worker pool "
+                    f"({largest} bytes); choose a smaller budget (e.g. a bytes= policy)"
+                )
+            ticket = self.queue.push(session_id, model, need, exclude)
+            self._drain()
+            self._mark_admitted(ticket)
+            return ticket
+
+    def position(self, ticket: Ticket) -> int:
+        with self._cond:
+            return self.queue.position(ticket)
+
+    def wait(self, ticket: Ticket) -> str:
+        """Block until the ticket is admitted (returns the worker) or admission_timeout_s passes."""
+        deadline = self.clock() + self.config.admission_timeout_s
+        with self._cond:
+            while ticket.address is None:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    self.queue.remove(ticket)
+                    raise ResourceExhausted(
+                        f"no KV room for {ticket.need} bytes after waiting "
+                        f"{self.config.admission_timeout_s:g} s in the admission queue; retry later"
+                    )
+                self._cond.wait(min(remaining, self.config.poll_interval_s))
+                self._drain()
+            self._mark_admitted(ticket)
+            return ticket.address
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The waiter went away: leave the queue, or give back the room if already admitted."""
+        with self._cond:
+            self.queue.remove(ticket)
+        if ticket.address is not None:
+            self.release(ticket.session_id)
+
+    def _mark_admitted(self, ticket: Ticket) -> None:  # caller holds the lock
+        if ticket.address is not None:
+            self._last_active[ticket.session_id] = self.clock()
+
+    def _drain(self) -> None:  # caller holds the lock
+        if self.queue.drain(self.placer):
+            self._cond.notify_all()
+
+    def release(self, session_id: str) -> str | None:
+        """Forget the session's reservation (its KV is gone or being dropped)."""
+        with self._cond:
+            address = self.placer.location.get(session_id)
+            self.placer.release(session_id)
+            self._last_active.pop(session_id, None)
+            self._drain()
+            self._cond.notify_all()
+        return address
+
+    def adopt(self, session_id: str, address: str, need: int) -> bool:
+        """After a restart: take back a reservation if the worker still holds the session."""
+        with self._cond:
+            report = self.reports.get(address)
+            if (
+                report is None
+                or session_id not in report.session_bytes
+                or not self.placer.workers[address].healthy
+            ):
+                return False
+            self.placer.adopt(session_id, address, need)
+            self._last_active[session_id] = self.clock()
+            return True
+
+    # -- turns and idleness ----------------------------------------------------------------------
+    def begin_turn(self, session_id: str) -> None:
+        with self._cond:
+            if session_id in self._busy:
+                raise Conflict(f"session {session_id!r} already has a turn in flight; wait for it to finish")
+            self._busy.add(session_id)
+
+    def end_turn(self, session_id: str) -> None:
+        with self._cond:
+            self._busy.discard(session_id)
+            if session_id in self.placer.location:
+                self._last_active[session_id] = self.clock()
+
+    def idle_sessions(self, ttl_s: float) -> list[tuple[str, str]]:
+        """Placed sessions without a turn for ``ttl_s`` seconds (and none in flight)."""
+        now = self.clock()
+        with self._cond:
+            return [
+                (s, self.placer.location[s])
+                for s, t in self._last_active.items()
+                if now - t >= ttl_s and s not in self._busy and s in self.placer.location
+            ]
+
+    def reserved(self, session_id: str) -> int:
+        with self._cond:
+            address = self.placer.location.get(session_id)
+            return self.placer.workers[address].reservations.get(session_id, 0) if address else 0
+
+    def view(self, record: SessionRecord) -> SessionView:
+        """The stored record plus what the cluster knows about it right now."""
+        with self._cond:
+            session_id = record.session_id
+            address = self.placer.location.get(session_id, "")
+            slot = self.placer.workers.get(address)
+            kv = slot.reported_sessions.get(session_id, 0) if slot else 0
+            reserved = slot.reservations.get(session_id, 0) if slot else 0
+            if session_id in self._busy:
+                state = "running" if address else "queued"
+            else:
+                state = "idle" if address else "released"
+            return SessionView(record, state, kv, address, reserved)
+
+    def stats(self, sessions: int) -> ClusterStats:
+        with self._cond:
+            workers = []
+            for address in self.clients:
+                slot, report = self.placer.workers.get(address), self.reports.get(address)
+                if slot is None:
+                    workers.append(
+                        WorkerStats(address, "", False, 0, 0, 0, 0, error=self._errors.get(address, ""))
+                    )
+                    continue
+                workers.append(
+                    WorkerStats(
+                        address,
+                        slot.model,
+                        slot.healthy,
+                        slot.capacity_bytes,
+                        slot.reported_used,
+                        slot.reserved_bytes,
+                        len(slot.reservations),
+                        report.active if report else 0,
+                        report.queued if report else 0,
+                        "" if slot.healthy else self._errors.get(address, ""),
+                    )
+                )
+            return ClusterStats(
+                workers, sessions, len(self.placer.location), len(self.queue), self.queue.limit
+            )

@@ -1,0 +1,196 @@
+"""Placement and admission by KV footprint.
+
+The scheduler never sees tensors: only workers' reported bytes and capacities, and each
+session's worst-case KV bytes (its *reservation*). A session is placed on a worker only when
+its reservation fits next to every reservation already there plus any bytes the worker
+reports for sessions this scheduler does not know; so no worker's reported bytes can exceed its
+capacity. ``admit`` returns ``None`` when nothing fits (like vLLM's ``allocate_slots``); the
+caller then waits in a bounded FIFO ``AdmissionQueue``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from confkv.memory import KVGeometry
+from confkv.policies import CachePolicy
+from scheduler_svc.domain import WorkerReport, WorkerStats
+from scheduler_svc.errors import ResourceExhausted
+
+
+def reservation_bytes(policy: CachePolicy, geometry: KVGeometry, max_context: int) -> int:
+    """Worst-case KV bytes of one session: its policy's peak bound for this model, never more
+    than a full cache of ``max_context`` tokens (which is what a ``full`` session may grow to)."""
+    full = geometry.full_bytes(max_context)
+    if not policy.evicts:
+        return full
+    return min(policy.resolve(geometry).peak_bytes_bound(geometry), full)
+
+
+@dataclass
+class WorkerSlot:
+    """The scheduler's view of one worker."""
+
+    address: str
+    model: str
+    capacity_bytes: int
+    reported_used: int = 0
+    reported_sessions: dict[str, int] = field(default_factory=dict)
+    reservations: dict[str, int] = field(default_factory=dict)
+    healthy: bool = True
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self.reservations.values())
+
+    @property
+    def external_bytes(self) -> int:
+        """Reported bytes of sessions without a reservation here (another scheduler's, or
+        orphans not yet dropped); counted so they are never double-booked."""
+        known = sum(b for s, b in self.reported_sessions.items() if s in self.reservations)
+        return max(0, self.reported_used - known)
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.reserved_bytes + self.external_bytes
+
+    def fits(self, need: int) -> bool:
+        return self.healthy and self.committed_bytes + need <= self.capacity_bytes
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(
+            self.address,
+            self.model,
+            self.healthy,
+            self.capacity_bytes,
+            self.reported_used,
+            self.reserved_bytes,
+            len(self.reservations),
+        )
+
+
+class Placer:
+    """Reservations per worker. Not thread-safe: the scheduler core holds its lock around it."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerSlot] = {}
+        self.location: dict[str, str] = {}  # session id -> worker address
+
+    def update(self, report: WorkerReport) -> None:
+        slot = self.workers.get(report.address)
+        if slot is None:
+            slot = self.workers[report.address] = WorkerSlot(report.address, report.model, 0)
+        slot.model = report.model
+        slot.capacity_bytes = report.capacity_bytes
+        slot.reported_used = report.used_bytes
+        slot.reported_sessions = dict(report.session_bytes)
+        slot.healthy = True
+
+    def mark_down(self, address: str) -> list[str]:
+        """A worker stopped answering: its sessions lose their KV; returns their ids."""
+        slot = self.workers.get(address)
+        if slot is None:
+            return []
+        slot.healthy = False
+        lost = list(slot.reservations)
+        for session_id in lost:
+            self.release(session_id)
+        slot.reported_used, slot.reported_sessions = 0, {}
+        return lost
+
+    def largest_capacity(self, model: str) -> int:
+        return max((w.capacity_bytes for w in self.workers.values() if w.model == model), default=0)
+
+    def serves(self, model: str, healthy_only: bool = False) -> bool:
+        return any(w.model == model and (w.healthy or not healthy_only) for w in self.workers.values())
+
+    def admit(
+        self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()
+    ) -> str | None:
+        """Reserve ``need`` bytes on the worker with the most headroom; None when none fits."""
+        if session_id in self.location:
+            return self.location[session_id]
+        fitting = [
+            w for w in self.workers.values() if w.model == model and w.address not in exclude and w.fits(need)
+        ]
+        if not fitting:
+            return None
+        best = max(fitting, key=lambda w: (w.capacity_bytes - w.committed_bytes, -len(w.reservations)))
+        self.adopt(session_id, best.address, need)
+        return best.address
+
+    def adopt(self, session_id: str, address: str, need: int) -> None:
+        """Record a reservation (a placement, or one found again after a scheduler restart)."""
+        self.release(session_id)
+        self.workers[address].reservations[session_id] = need
+        self.location[session_id] = address
+
+    def release(self, session_id: str) -> int:
+        address = self.location.pop(session_id, None)
+        if address is None:
+            return 0
+        slot = self.workers[address]
+        slot.reported_sessions.pop(session_id, None)  # its bytes are gone with the session
+        return slot.reservations.pop(session_id, 0)
+
+
+@dataclass
+class Ticket:
+    """One waiting placement request. ``address`` is set when it is admitted."""
+
+    session_id: str
+    model: str
+    need: int
+    seq: int
+    address: str | None = None
+    exclude: frozenset[str] = frozenset()
+
+
+class AdmissionQueue:
+    """Bounded FIFO of waiting placements. Fair: within a model, nobody is admitted ahead of an
+    earlier waiter; a head that does not fit only blocks its own model's lane."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"queue limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._waiting: OrderedDict[int, Ticket] = OrderedDict()
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def push(self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()) -> Ticket:
+        if len(self._waiting) >= self.limit:
+            raise ResourceExhausted(
+                f"KV pool full and the admission queue is full ({self.limit} waiting); retry later"
+            )
+        ticket = Ticket(session_id, model, need, next(self._seq), exclude=exclude)
+        self._waiting[ticket.seq] = ticket
+        return ticket
+
+    def remove(self, ticket: Ticket) -> None:
+        self._waiting.pop(ticket.seq, None)
+
+    def position(self, ticket: Ticket) -> int:
+        """1-based place among waiters of the same model (0 = not waiting)."""
+        ahead = [t.seq for t in self._waiting.values() if t.model == ticket.model]
+        return ahead.index(ticket.seq) + 1 if ticket.seq in ahead else 0
+
+    def drain(self, placer: Placer) -> list[Ticket]:
+        """Admit waiters in order while they fit; returns the admitted tickets."""
+        admitted: list[Ticket] = []
+        blocked: set[str] = set()
+        for ticket in list(self._waiting.values()):
+            if ticket.model in blocked:
+                continue
+            address = placer.admit(ticket.session_id, ticket.model, ticket.need, ticket.exclude)
+            if address is None:
+                blocked.add(ticket.model)
+                continue
+            ticket.address = address
+            self._waiting.pop(ticket.seq)
+            admitted.append(ticket)
+        return admitted

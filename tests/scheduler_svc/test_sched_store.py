@@ -1,0 +1,99 @@
+"""Session stores: the in-memory one and Redis (own key prefix on the shared server)."""
+
+from __future__ import annotations
+
+import pytest
+from sched_redis import PrivateRedis, delete_prefix, free_port, shared_redis_or_skip, unique_prefix
+
+from scheduler_svc.domain import Message, SessionRecord
+from scheduler_svc.errors import Conflict, NotFound, StoreUnavailable
+from scheduler_svc.store import MemoryStore, RedisStore, new_session_id
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request):
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    client = shared_redis_or_skip()
+    prefix = unique_prefix()
+    redis_store = RedisStore("redis://127.0.0.1:6379/0", prefix=prefix)
+    try:
+        yield redis_store
+    finally:
+        redis_store.close()
+        delete_prefix(client, prefix)
+
+
+def record(created=1.0, transcript=()):
+    return SessionRecord(
+        new_session_id(), "tiny", "window:n=64", transcript=list(transcript), created_at=created
+    )
+
+
+def test_session_ids_are_unguessable():
+    ids = {new_session_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(len(i) >= 22 for i in ids)
+
+
+def test_round_trip_and_turns(store):
+    rec = record(transcript=[Message("system", "be brief")])
+    store.create(rec)
+    got = store.get(rec.session_id)
+    assert (got.model, got.policy, got.turns, got.transcript) == ("tiny", "window:n=64", 0, rec.transcript)
+    turn = [Message("user", "hi"), Message("assistant", "hello ✓")]
+    assert store.append_turn(rec.session_id, 0, turn, "w1:1", 4096, 2.0) == 1
+    got = store.get(rec.session_id)
+    assert got.transcript == rec.transcript + turn
+    assert (got.turns, got.worker, got.footprint_bytes, got.updated_at) == (1, "w1:1", 4096, 2.0)
+    # a stale writer (expects 0 turns) cannot append a second copy
+    with pytest.raises(Conflict):
+        store.append_turn(rec.session_id, 0, turn, "w1:1", 4096, 3.0)
+    assert store.get(rec.session_id).turns == 1
+
+
+def test_placement_list_count_delete(store):
+    recs = [record(created=float(i)) for i in range(3)]
+    for rec in recs:
+        store.create(rec)
+    store.set_placement(recs[0].session_id, "w2:2", 123)
+    got = store.get(recs[0].session_id)
+    assert (got.worker, got.footprint_bytes) == ("w2:2", 123)
+    assert [r.session_id for r in store.list(2)] == [recs[2].session_id, recs[1].session_id]
+    assert [r.session_id for r in store.list(2, offset=2)] == [recs[0].session_id]
+    assert store.count() == 3
+    assert store.delete(recs[0].session_id) is True
+    assert store.delete(recs[0].session_id) is False
+    store.set_placement(recs[0].session_id, "w2:2", 1)  # does not resurrect it
+    with pytest.raises(NotFound):
+        store.get(recs[0].session_id)
+    with pytest.raises(NotFound):
+        store.append_turn(recs[0].session_id, 0, [], "", 0, 0.0)
+    assert store.count() == 2
+
+
+def test_unreachable_redis_is_unavailable_with_a_clear_message():
+    store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+    with pytest.raises(StoreUnavailable, match="session store unreachable"):
+        store.get("abc")
+    with pytest.raises(StoreUnavailable):
+        store.create(record())
+
+
+@pytest.mark.redis
+def test_store_recovers_when_redis_comes_back():
+    server = PrivateRedis()
+    server.start()
+    store = RedisStore(server.url, prefix="t:", timeout_s=0.5)
+    try:
+        rec = record()
+        store.create(rec)
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, 1.0)
+        server.start()  # --save '': data is gone, but the client reconnects by itself
+        store.create(rec)
+        assert store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, 1.0) == 1
+    finally:
+        store.close()
+        server.stop()
