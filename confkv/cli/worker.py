@@ -1,0 +1,71 @@
+"""``confkv worker``: host a model and many sessions' Conf-KV caches behind the gRPC Worker API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+from confkv.cli.common import add_model_arg, positive_int
+from confkv.cli.main import UsageError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("worker", help="run a gRPC worker (model + sessions' KV caches, batched decode)")
+    add_model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=positive_int, default=50061, help="0 = any free port")
+    p.add_argument("--kv-pool-bytes", default="256MiB", help="KV pool, e.g. 268435456, 256MiB, 2GB")
+    p.add_argument("--policy", default="confkv", help="default policy spec for sessions that give none")
+    p.add_argument("--max-batch", type=positive_int, default=16, help="sequences per decode step")
+    p.add_argument("--max-queue", type=positive_int, default=64, help="turns waiting for room")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256, help="prompt tokens per chunk")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="default reply length")
+    p.add_argument("--max-context", type=positive_int, default=0, help="0 = the model's positions")
+    p.add_argument("--worker-id", default="", help="name in footprints and metrics (default host:port)")
+    p.add_argument("--metrics-port", type=positive_int, help="serve Prometheus metrics on this port")
+    p.add_argument("--auth-token-env", default="CONFKV_AUTH_TOKEN",
+                   help="env var holding a shared bearer token (unset = no auth)")  # fmt: skip
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight turns get on shutdown")
+    p.add_argument("--log-format", choices=["json", "text"], default="json")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from confkv.policies import parse_policy
+    from worker_svc.app import create_engine, parse_bytes, start_worker
+    from worker_svc.observability import configure_logging
+
+    parse_policy(args.policy)  # a clear error before the model loads
+    pool = parse_bytes(args.kv_pool_bytes)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None
+    configure_logging(fmt=args.log_format)
+    config = dict(
+        max_batch_size=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+        default_max_new_tokens=args.max_new_tokens, default_policy=args.policy,
+        worker_id=args.worker_id or f"{args.host}:{args.port}",
+    )  # fmt: skip
+    if args.max_context:
+        config["max_context_tokens"] = args.max_context
+    engine = create_engine(args.model, pool, **config)
+    worker = start_worker(
+        engine,
+        args.model,
+        args.host,
+        args.port,
+        args.metrics_port,
+        os.environ.get(args.auth_token_env) or None,
+        tls,
+    )
+    print(f"confkv worker listening on {worker.address} (KV pool {pool} bytes)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    worker.stop(args.grace)
+    return 0

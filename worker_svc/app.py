@@ -1,0 +1,44 @@
+"""Wiring for a real worker: load the model once, build the engine, start the gRPC server.
+
+In-process use (e.g. ``confkv serve``)::
+
+    engine = create_engine("smollm2", kv_pool_bytes=parse_bytes("256MiB"))
+    worker = start_worker(engine, "smollm2", port=0)   # worker.address, worker.stop(grace)
+"""
+
+from __future__ import annotations
+
+import re
+
+from worker_svc.codec import HFChatCodec
+from worker_svc.engine import Engine
+from worker_svc.server import WorkerServer, start_worker
+from worker_svc.types import EngineConfig
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``"268435456"``, ``"256MiB"``, ``"1.5GB"``, ``"1e9"`` -> bytes (> 0)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 268435456, 256MiB, 2GB)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"byte size must be positive, got {text!r}")
+    return value
+
+
+def create_engine(model_name: str, kv_pool_bytes: int, **config) -> Engine:
+    """Load ``model_name`` (``smollm2``, hub id or folder) and build an engine around it."""
+    from confkv.models import load_model
+
+    model, tokenizer = load_model(model_name)
+    max_positions = getattr(model.config, "max_position_embeddings", None) or 8192
+    config.setdefault("max_context_tokens", int(max_positions))
+    return Engine(model, HFChatCodec(tokenizer), EngineConfig(kv_pool_bytes=kv_pool_bytes, **config))
+
+
+__all__ = ["WorkerServer", "create_engine", "parse_bytes", "start_worker"]

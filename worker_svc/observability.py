@@ -1,0 +1,85 @@
+"""Structured logs (one JSON object a line, with session/request ids) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from worker_svc.stats import StepStats
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "msg", ...extra}``; extras carry session_id, request_id, ..."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        out.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str = "info", fmt: str = "json") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(message)s"))
+    root = logging.getLogger("confkv")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+class WorkerMetrics:
+    """Prometheus series of one worker, in their own registry (several workers may share a
+    process in tests and in ``confkv serve``)."""
+
+    def __init__(self, worker_id: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        labels, r = ["worker"], self.registry
+        self.kv_used = Gauge(
+            "confkv_worker_kv_bytes_used", "exact KV bytes stored", labels, registry=self.registry
+        )
+        self.kv_capacity = Gauge(
+            "confkv_worker_kv_bytes_capacity", "KV pool bytes", labels, registry=self.registry
+        )
+        self.batch = Gauge("confkv_worker_batch_size", "sequences in the last decode step", labels,
+                           registry=self.registry)  # fmt: skip
+        self.tokens = Counter("confkv_worker_tokens", "tokens generated", labels, registry=r)
+        self.tps = Gauge("confkv_worker_tokens_per_second", "tokens/s over the last step", labels,
+                         registry=self.registry)  # fmt: skip
+        self.step_seconds = Histogram("confkv_worker_step_seconds", "engine step time", labels,
+                                      registry=self.registry)  # fmt: skip
+        self.worker_id = worker_id
+        self._server = None
+        self._last = time.monotonic()
+
+    def on_step(self, stats: StepStats) -> None:
+        w = self.worker_id
+        self.kv_used.labels(w).set(stats.used_bytes)
+        self.kv_capacity.labels(w).set(stats.capacity_bytes)
+        self.batch.labels(w).set(stats.batch_size)
+        self.tokens.labels(w).inc(stats.tokens)
+        self.step_seconds.labels(w).observe(stats.seconds)
+        if stats.seconds > 0:
+            self.tps.labels(w).set(stats.tokens / stats.seconds)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
