@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Each entry names a module in confkv.cli exposing add_parser(subparsers) and run(args) -> int.
-COMMANDS = ["generate", "plan", "eval", "worker"]
+COMMANDS = ["generate", "plan", "eval", "worker", "scheduler", "serve", "chat"]
 
 
 class UsageError(ValueError):

@@ -1,0 +1,80 @@
+"""``confkv serve``: scheduler + one in-process worker: the embedded default deployment.
+
+Sessions live in memory unless ``--redis URL``. ``--demo`` starts everything, runs a two-turn
+chat through the scheduler, prints it with the session's KV footprint, and exits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from confkv.cli.common import add_model_arg
+from confkv.cli.scheduler import add_scheduler_args, scheduler_config, tls_pair, wait_for_signal
+
+DEMO_TURNS = ("What is the capital of France? Answer in one sentence.", "Name a famous museum there.")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="scheduler + one in-process worker (in-memory sessions unless --redis)")
+    add_model_arg(p)
+    p.add_argument("--kv-pool-bytes", default="256MiB", help="the worker's KV pool, e.g. 256MiB, 2GB")
+    p.add_argument("--demo", action="store_true", help="run a two-turn chat through the scheduler and exit")
+    add_scheduler_args(p)
+    p.set_defaults(run=run)
+
+
+def run_demo(address: str, token: str | None, policy: str, max_new_tokens: int, out=sys.stdout) -> int:
+    from confkv.cli.chat import stream_turn
+    from scheduler_svc.client import SchedulerClient
+
+    client = SchedulerClient(address, token)
+    try:
+        session = client.create_session(policy, system="You are a concise assistant.")
+        print(f"session {session.session_id} (policy {session.policy}, model {session.model})", file=out)
+        for text in DEMO_TURNS:
+            print(f"\nuser: {text}\nassistant: ", end="", file=out, flush=True)
+            done = stream_turn(client, session.session_id, text, max_new_tokens, out=out, err=out)
+            if done is None:
+                return 1
+        stats = client.stats()
+        for w in stats.workers:
+            f = w.footprint
+            print(f"worker {w.address}: KV {f.used_bytes} / {f.capacity_bytes} bytes in use", file=out)
+        client.end_session(session.session_id)
+    finally:
+        client.close()
+    return 0
+
+
+def run(args) -> int:
+    from scheduler_svc.app import make_store, serve_scheduler
+    from worker_svc.app import create_engine, parse_bytes, start_worker
+
+    logging.basicConfig(level=logging.WARNING if args.demo else logging.INFO)
+    config = scheduler_config(args)
+    pool = parse_bytes(args.kv_pool_bytes)
+    tls = tls_pair(args)
+    token = os.environ.get(args.auth_token_env) or None
+    store = make_store(args.redis, args.redis_prefix)
+    engine = create_engine(
+        args.model,
+        pool,
+        default_policy=args.default_policy,
+        default_max_new_tokens=args.max_new_tokens,
+        worker_id="in-process",
+    )
+    worker = start_worker(engine, args.model, "127.0.0.1", 0, None, token, None)
+    port = 0 if args.demo else args.port
+    server = serve_scheduler([worker.address], store, config, args.host, port, token, tls)
+    try:
+        if args.demo:
+            return run_demo(server.address, token, args.default_policy, min(args.max_new_tokens, 40))
+        print(f"confkv serve: scheduler on {server.address}, worker {worker.address} (KV pool {pool} bytes)")
+        sys.stdout.flush()
+        wait_for_signal()
+        return 0
+    finally:
+        server.stop(args.grace if not args.demo else 1.0)
+        worker.stop(1.0)
+        store.close()
