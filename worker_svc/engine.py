@@ -318,7 +318,8 @@ class Engine:
         if not text.endswith("\ufffd") and text.startswith(turn.emitted_text):
             delta, turn.emitted_text = text[len(turn.emitted_text) :], text
         seq = turn.session.seq
-        event = TokenEvent(token, delta, len(turn.generated) - 1, seq.nbytes(), seq.budget)
+        budget = seq.budget if seq.policy.evicts else 0  # full: no budget (unbounded)
+        event = TokenEvent(token, delta, len(turn.generated) - 1, seq.nbytes(), budget)
         turn.handle.events.put(event)
         if len(turn.generated) >= turn.max_new_tokens:
             self._finish(turn, FinishReason.CONTEXT if turn.context_capped else FinishReason.MAX_TOKENS)
