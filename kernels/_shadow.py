@@ -27,7 +27,7 @@ def _finds_this_folder(entry: str) -> bool:
 
 
 def step_aside(name: str) -> None:
-    """Replace ``sys.modules[name]`` (this folder, imported under the wrong name) by the real one or a stub."""
+    """Swap ``sys.modules[name]`` (this folder under the wrong name) for the real package or a stub."""
     other_entries = [entry for entry in sys.path if not _finds_this_folder(entry)]
     spec = importlib.machinery.PathFinder.find_spec(name, other_entries)
     if spec is not None and spec.loader is not None:
@@ -39,7 +39,7 @@ def step_aside(name: str) -> None:
             del sys.modules[name]
             raise
         return
-    stub = types.ModuleType(name, f"Not HuggingFace's {name!r}: this checkout's {_FOLDER} (import confkv_kernels).")
+    stub = types.ModuleType(name, f"Not HuggingFace's {name!r}: {_FOLDER} is imported as confkv_kernels.")
     stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)  # like a namespace folder
     stub.__spec__.submodule_search_locations = []
     stub.__path__ = []

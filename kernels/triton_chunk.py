@@ -18,11 +18,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from confkv_kernels.triton_decode import _LOG2E, _dot_precision
+from confkv_kernels.triton_decode import _LOG2E, _dot_precision, _same_rows
 
 _BLOCK_N = 64
-_POS_NEVER = 2**62  # position of padding slots: newer than any query, so never visible
+_POS_NEVER = tl.constexpr(2**62)  # position of padding slots: newer than any query, so never visible
 
 
 @triton.jit
@@ -157,8 +156,10 @@ def chunk_attention(q, k8, k8s, v8, v8s, kf, vf, q_pos, posf, scaling: float):
     kv_heads, n8, nf = kf.shape[0], k8.shape[1], kf.shape[1]
     groups = q_heads // kv_heads
     dev = q.device
-    q, k8, v8, k8s, v8s = (t.contiguous() for t in (q, k8, v8, k8s, v8s))
-    kf, vf = kf.to(q.dtype).contiguous(), vf.to(q.dtype).contiguous()
+    q = q.contiguous()
+    k8, v8 = _same_rows(k8, v8)
+    k8s, v8s = _same_rows(k8s, v8s)
+    kf, vf = _same_rows(kf.to(q.dtype), vf.to(q.dtype))
     q_pos, posf = q_pos.to(dev, torch.int64).contiguous(), posf.to(dev, torch.int64).contiguous()
     out = torch.empty_like(q)
     lse = torch.empty((q_heads, n_queries), dtype=torch.float32, device=dev)

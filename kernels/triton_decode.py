@@ -21,12 +21,13 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_BLOCK_N = 64  # slots per block; the split-K factor is a runtime argument (no recompiles as contexts grow)
 
 
 @triton.jit
-def _split_bounds(start, end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Slots [lo, hi) of ``split`` within [start, end): whole blocks, the last split gets the rest."""
-    per_split = tl.cdiv(tl.cdiv(end - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+def _split_bounds(start, end, split, num_splits, BLOCK_N: tl.constexpr):
+    """Slots [lo, hi) of ``split`` within [start, end): whole blocks, the last splits may get less."""
+    per_split = tl.cdiv(tl.cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, end)
     return lo, hi
@@ -74,8 +75,8 @@ def _decode_partial_kernel(
     logit8_ptr, logitf_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
     stride_qb, stride_qh, stride_k8h, stride_k8t, stride_v8h, stride_v8t, stride_s8h, stride_s8t,
     stride_kfh, stride_kft, stride_vfh, stride_vft, stride_l8h, stride_lfh,
-    qk_scale, head_dim,
-    GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    qk_scale, head_dim, num_splits,
+    GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq, head, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)  # int64: big caches
@@ -90,21 +91,21 @@ def _decode_partial_kernel(
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
 
-    lo, hi = _split_bounds(tl.load(off8_ptr + seq), tl.load(off8_ptr + seq + 1), split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_bounds(tl.load(off8_ptr + seq), tl.load(off8_ptr + seq + 1), split, num_splits, BLOCK_N)
     acc, m_i, l_i = _decode_segment(
         q, acc, m_i, l_i, k8_ptr + head * stride_k8h, v8_ptr + head * stride_v8h,
         k8s_ptr + head * stride_s8h, v8s_ptr + head * stride_s8h, logit8_ptr + head * GROUPS * stride_l8h,
         stride_k8t, stride_v8t, stride_s8t, stride_l8h,
         lo, hi, offs_g, g_mask, offs_d, d_mask, qk_scale, True, BLOCK_N, DOT_PRECISION,
     )
-    lo, hi = _split_bounds(tl.load(offf_ptr + seq), tl.load(offf_ptr + seq + 1), split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_bounds(tl.load(offf_ptr + seq), tl.load(offf_ptr + seq + 1), split, num_splits, BLOCK_N)
     acc, m_i, l_i = _decode_segment(
         q, acc, m_i, l_i, kf_ptr + head * stride_kfh, vf_ptr + head * stride_vfh,
         k8s_ptr, v8s_ptr, logitf_ptr + head * GROUPS * stride_lfh,
         stride_kft, stride_vft, 0, stride_lfh,
         lo, hi, offs_g, g_mask, offs_d, d_mask, qk_scale, False, BLOCK_N, DOT_PRECISION,
     )
-    part = (seq * tl.num_programs(1) * GROUPS + q_heads) * NUM_SPLITS + split  # (G,) row of (B, Hq, S)
+    part = (seq * tl.num_programs(1) * GROUPS + q_heads) * num_splits + split  # (G,) row of (B, Hq, S)
     tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
     tl.store(part_m_ptr + part, m_i, mask=g_mask)
     tl.store(part_l_ptr + part, l_i, mask=g_mask)
@@ -126,8 +127,8 @@ def _mass_segment(logit_ptr, mass_ptr, stride_lh, stride_mh, lo, hi, offs_g, g_m
 def _decode_finish_kernel(
     off8_ptr, offf_ptr, logit8_ptr, logitf_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
     out_ptr, mass8_ptr, massf_ptr,
-    stride_ob, stride_oh, stride_l8h, stride_lfh, stride_m8h, stride_mfh, head_dim,
-    GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_ob, stride_oh, stride_l8h, stride_lfh, stride_m8h, stride_mfh, head_dim, num_splits,
+    GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq, head, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
@@ -135,8 +136,8 @@ def _decode_finish_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     g_mask = offs_g < GROUPS
     q_heads = head * GROUPS + offs_g
-    rows = (seq * tl.num_programs(1) * GROUPS + q_heads) * NUM_SPLITS  # (G,) first split of each head
-    gs_mask = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    rows = (seq * tl.num_programs(1) * GROUPS + q_heads) * num_splits  # (G,) first split of each head
+    gs_mask = g_mask[:, None] & (offs_s[None, :] < num_splits)
     part_m = tl.load(part_m_ptr + rows[:, None] + offs_s[None, :], mask=gs_mask, other=float("-inf"))
     part_l = tl.load(part_l_ptr + rows[:, None] + offs_s[None, :], mask=gs_mask, other=0.0)
     m_fin = tl.max(part_m, axis=1)
@@ -145,17 +146,17 @@ def _decode_finish_kernel(
     l_fin = tl.sum(part_l * weights, axis=1)
     inv_l = tl.where(l_fin > 0.0, 1.0 / tl.where(l_fin > 0.0, l_fin, 1.0), 0.0)
 
-    lo, hi = _split_bounds(tl.load(off8_ptr + seq), tl.load(off8_ptr + seq + 1), split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_bounds(tl.load(off8_ptr + seq), tl.load(off8_ptr + seq + 1), split, num_splits, BLOCK_N)
     _mass_segment(logit8_ptr + head * GROUPS * stride_l8h, mass8_ptr + head * stride_m8h, stride_l8h,
                   stride_m8h, lo, hi, offs_g, g_mask, m_fin, inv_l, BLOCK_N)
-    lo, hi = _split_bounds(tl.load(offf_ptr + seq), tl.load(offf_ptr + seq + 1), split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_bounds(tl.load(offf_ptr + seq), tl.load(offf_ptr + seq + 1), split, num_splits, BLOCK_N)
     _mass_segment(logitf_ptr + head * GROUPS * stride_lfh, massf_ptr + head * stride_mfh, stride_lfh,
                   stride_mfh, lo, hi, offs_g, g_mask, m_fin, inv_l, BLOCK_N)
 
     if split == 0:
         offs_d = tl.arange(0, BLOCK_D)
         acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-        for s in range(NUM_SPLITS):
+        for s in range(num_splits):
             part_o = tl.load(part_o_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
                              mask=g_mask[:, None], other=0.0)
             w = tl.sum(tl.where(offs_s[None, :] == s, weights, 0.0), axis=1)
@@ -163,6 +164,13 @@ def _decode_finish_kernel(
         out = acc * inv_l[:, None]
         tl.store(out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d[None, :] < head_dim))
+
+
+def _same_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of a bigger cache buffer are fine (no copy) if rows are unit-stride and layouts agree."""
+    if all(t.stride() == tensors[0].stride() and t.stride(-1) == 1 for t in tensors):
+        return tensors
+    return tuple(t.contiguous() for t in tensors)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -180,9 +188,6 @@ def _default_splits(batch: int, kv_heads: int, n_slots: int, device: torch.devic
     return max(splits, 1)
 
 
-_BLOCK_N = 64
-
-
 def decode_attention(q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, scaling: float, num_splits=None):
     """One query token per sequence; same contract as ``reference.decode_attention_ref``.
 
@@ -195,9 +200,9 @@ def decode_attention(q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, scaling: f
     groups = q_heads // kv_heads
     splits = num_splits or _default_splits(batch, kv_heads, n8 + nf, q.device)
     dev = q.device
-    q, k8, v8, kf, vf = (t.contiguous() for t in (q, k8, v8, kf, vf))
-    k8s, v8s = k8s.contiguous(), v8s.contiguous()
-    kf, vf = kf.to(q.dtype), vf.to(q.dtype)
+    q = q.contiguous()
+    (k8,), (v8,), (k8s, v8s) = _same_rows(k8), _same_rows(v8), _same_rows(k8s, v8s)
+    (kf,), (vf,) = _same_rows(kf.to(q.dtype)), _same_rows(vf.to(q.dtype))
     offsets8, offsetsf = offsets8.to(dev, torch.int32), offsetsf.to(dev, torch.int32)
     out = torch.empty_like(q)
     mass8 = torch.zeros((kv_heads, n8), dtype=torch.float32, device=dev)
@@ -214,15 +219,15 @@ def decode_attention(q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, scaling: f
         q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, logit8, logitf, part_o, part_m, part_l,
         q.stride(0), q.stride(1), k8.stride(0), k8.stride(1), v8.stride(0), v8.stride(1),
         k8s.stride(0), k8s.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-        logit8.stride(0), logitf.stride(0), scaling * _LOG2E, head_dim,
-        GROUPS=groups, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        logit8.stride(0), logitf.stride(0), scaling * _LOG2E, head_dim, splits,
+        GROUPS=groups, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q.dtype),
     )
     _decode_finish_kernel[grid](
         offsets8, offsetsf, logit8, logitf, part_o, part_m, part_l, out, mass8, massf,
         out.stride(0), out.stride(1), logit8.stride(0), logitf.stride(0), mass8.stride(0), massf.stride(0),
-        head_dim,
-        GROUPS=groups, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(splits),
+        head_dim, splits,
+        GROUPS=groups, BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
     )
     return out, mass8, massf
