@@ -242,7 +242,9 @@ class Scheduler:
                 self.cluster.cancel(ticket)
                 raise
             try:
-                self.cluster.clients[address].open(record.session_id, record.policy, record.transcript)
+                # Workers refuse empty messages; an empty reply (EOS first) carries no tokens anyway.
+                replay = [m for m in record.transcript if m.content.strip()]
+                self.cluster.clients[address].open(record.session_id, record.policy, replay)
                 self.store.set_placement(record.session_id, address, need)
                 return address
             except (WorkerUnavailable, WorkerRefused) as err:
