@@ -6,6 +6,7 @@ embedded default model for a real multi-turn conversation.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -187,3 +188,18 @@ def test_smollm2_cancel_mid_stream_frees_memory(smol_worker):
 def test_smollm2_bad_input_codes_and_worker_keeps_serving(smol_worker):
     _, stub = smol_worker
     check_errors_and_still_serving(stub, "window:n=64", 4000)
+
+
+def test_graceful_stop_finishes_or_cancels_in_flight_streams(make_engine):
+    worker = start_worker(make_engine(), "tiny-bytes", port=0)
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = pb_grpc.WorkerStub(channel)
+        stub.OpenSession(pb.OpenSessionRequest(session_id="s", policy="window:n=32"))
+        request = pb.GenerateRequest(session_id="s", messages=[msg("keep talking")], max_new_tokens=1000)
+        call = stub.Generate(request)
+        assert next(call).WhichOneof("event") == "token"
+        stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
+        stopper.start()
+        events = list(call)  # the stream ends cleanly with a done event, not an error
+        stopper.join()
+    assert events[-1].done.reason in (pb.FINISH_REASON_SHUTDOWN, pb.FINISH_REASON_EOS)
