@@ -34,14 +34,21 @@ def dequantize_int8_ref(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (x8.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
 
 
+def _join(x8, scale, xf, work):
+    """Dequantized INT8 slots followed by FP slots; no copy when the INT8 part is empty."""
+    if x8.shape[1] == 0:
+        return xf.to(work)
+    return torch.cat([dequantize_int8_ref(x8, scale, work), xf.to(work)], dim=1)
+
+
 def _attend_one(q, k8, k8s, v8, v8s, kf, vf, scaling, q_pos=None, posf=None):
     """q (Hq, M, D) against one sequence's keys -> out (Hq, M, D), mass8 (Hkv, N8), massf (Hkv, Nf)."""
     hq, m, d = q.shape
     hkv = kf.shape[0]
     groups = hq // hkv
     work = torch.float32
-    keys = torch.cat([dequantize_int8_ref(k8, k8s, work), kf.to(work)], dim=1)  # (Hkv, N, D)
-    vals = torch.cat([dequantize_int8_ref(v8, v8s, work), vf.to(work)], dim=1)
+    keys = _join(k8, k8s, kf, work)  # (Hkv, N, D)
+    vals = _join(v8, v8s, vf, work)
     qg = q.to(work).reshape(hkv, groups * m, d)  # (Hkv, G*M, D)
     logits = torch.bmm(qg, keys.transpose(1, 2)) * scaling  # (Hkv, G*M, N)
     if q_pos is not None:

@@ -54,9 +54,17 @@ def test_chunked_prefill_matches_full_forward(tiny_model, token_ids):
     assert (got - ref[:, 199:]).abs().max() <= 1e-4
 
 
-SPECS = ["full", "window:n=40", "sinks:s=4,n=40", "h2o:n=40", "random:n_high=48,n_low=24,p=8,s=2",
-         "recency:n_high=48,n_low=24,p=8,s=2", "attention:n_high=48,n_low=24,p=8,s=2",
-         "confkv:n_high=48,n_low=24,p=8,s=2", "confkv:n_high=48,n_low=24,p=8,s=2,int8=1,w=16,pyramid=1"]
+SPECS = [
+    "full",
+    "window:n=40",
+    "sinks:s=4,n=40",
+    "h2o:n=40",
+    "random:n_high=48,n_low=24,p=8,s=2",
+    "recency:n_high=48,n_low=24,p=8,s=2",
+    "attention:n_high=48,n_low=24,p=8,s=2",
+    "confkv:n_high=48,n_low=24,p=8,s=2",
+    "confkv:n_high=48,n_low=24,p=8,s=2,int8=1,w=16,pyramid=1",
+]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -109,8 +117,13 @@ def test_hf_generate_with_confidence_processor():
     plain = model.generate(ids, max_new_tokens=15, do_sample=False)
     enable(model)
     cache = ConfKVCache.for_model(model, "full")
-    ours = model.generate(ids, past_key_values=cache, max_new_tokens=15, do_sample=False,
-                          logits_processor=[ConfidenceProcessor(cache)])
+    ours = model.generate(
+        ids,
+        past_key_values=cache,
+        max_new_tokens=15,
+        do_sample=False,
+        logits_processor=[ConfidenceProcessor(cache)],
+    )
     assert torch.equal(plain, ours)
     cache = ConfKVCache.for_model(model, "confkv:n_high=24,n_low=12,p=4,s=2")
     proc = ConfidenceProcessor(cache)

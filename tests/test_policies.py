@@ -11,8 +11,17 @@ from confkv.memory import KVGeometry
 from confkv.policies import MATCHED_RATE, POLICIES, parse_policy, select_keep
 from confkv.sequence import SequenceCache
 
-DEFAULT_SPECS = ["full", "window:n=64", "sinks:s=4,n=64", "h2o:n=64", "random", "recency", "attention",
-                 "confkv", "confkv:n_high=512,n_low=256,tau=0.5,p=64,int8=1,pyramid=1"]
+DEFAULT_SPECS = [
+    "full",
+    "window:n=64",
+    "sinks:s=4,n=64",
+    "h2o:n=64",
+    "random",
+    "recency",
+    "attention",
+    "confkv",
+    "confkv:n_high=512,n_low=256,tau=0.5,p=64,int8=1,pyramid=1",
+]
 
 
 @pytest.mark.parametrize("spec", DEFAULT_SPECS)
@@ -27,10 +36,20 @@ def test_every_policy_is_registered():
 
 @pytest.mark.parametrize(
     "spec, fragment",
-    [("", "empty"), ("nope", "unknown policy"), ("window:n=abc", "not a valid int"),
-     ("window:q=3", "unknown key"), ("window:n", "key=value"), ("confkv:n_high=10,n_low=20", "n_low"),
-     ("confkv:tau=2", "tau"), ("full:int8=1", "full"), ("window:n=0", "budget"), ("window:n=8,n=9", "twice"),
-     ("confkv:w_ent=0.9", "sum to 1"), ("window:bytes=-5", "bytes")],
+    [
+        ("", "empty"),
+        ("nope", "unknown policy"),
+        ("window:n=abc", "not a valid int"),
+        ("window:q=3", "unknown key"),
+        ("window:n", "key=value"),
+        ("confkv:n_high=10,n_low=20", "n_low"),
+        ("confkv:tau=2", "tau"),
+        ("full:int8=1", "full"),
+        ("window:n=0", "budget"),
+        ("window:n=8,n=9", "twice"),
+        ("confkv:w_ent=0.9", "sum to 1"),
+        ("window:bytes=-5", "bytes"),
+    ],
 )
 def test_bad_specs_raise_value_error(spec, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -56,7 +75,7 @@ def test_gated_budget():
 def test_pyramid_sums_to_flat_total_and_decreases(total, layers, slope):
     sizes = pyramid_split(total, layers, slope, minimum=5)
     assert sum(sizes) == total * layers
-    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    assert all(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
     assert min(sizes) >= 5
 
 

@@ -19,7 +19,9 @@ def prose_ids(smollm2):
     try:
         text = open(CORPUS, encoding="utf-8").read()[5000:12000]
     except FileNotFoundError:
-        text = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40
+        text = (
+            "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40
+        )
     return tok(text, return_tensors="pt").input_ids[:, :300]
 
 

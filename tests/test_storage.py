@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from confkv_kernels.reference import decode_attention_ref, dequantize_int8_ref, quantize_int8_ref
 
 from confkv.storage import LayerStore
-from confkv_kernels.reference import decode_attention_ref, dequantize_int8_ref, quantize_int8_ref
 
 
 def test_int8_round_trip_error_is_at_most_half_a_step():
@@ -27,13 +27,23 @@ def test_attention_over_int8_is_close_to_fp_attention():
     empty8, empty_s = torch.zeros(hkv, 0, d, dtype=torch.int8), torch.zeros(hkv, 0, dtype=torch.float16)
     full_off = torch.tensor([0, n], dtype=torch.int32)
     zero_off = torch.tensor([0, 0], dtype=torch.int32)
-    ref, _, ref_mass = decode_attention_ref(q, empty8, empty_s, empty8, empty_s, k, v, zero_off, full_off, 0.125)
+    ref, _, ref_mass = decode_attention_ref(
+        q, empty8, empty_s, empty8, empty_s, k, v, zero_off, full_off, 0.125
+    )
     w = 32  # the newest 32 tokens stay FP, the rest INT8
     k8, ks = quantize_int8_ref(k[:, : n - w])
     v8, vs = quantize_int8_ref(v[:, : n - w])
     out, m8, mf = decode_attention_ref(
-        q, k8, ks, v8, vs, k[:, n - w :], v[:, n - w :],
-        torch.tensor([0, n - w], dtype=torch.int32), torch.tensor([0, w], dtype=torch.int32), 0.125,
+        q,
+        k8,
+        ks,
+        v8,
+        vs,
+        k[:, n - w :],
+        v[:, n - w :],
+        torch.tensor([0, n - w], dtype=torch.int32),
+        torch.tensor([0, w], dtype=torch.int32),
+        0.125,
     )
     assert (out - ref).abs().max() < 2e-2
     assert (torch.cat([m8, mf], 1) - ref_mass).abs().max() < 2e-2
