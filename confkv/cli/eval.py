@@ -5,6 +5,7 @@ Inputs are validated before the model loads (bad specs, missing files -> exit 2)
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -15,6 +16,14 @@ DEFAULT_PPL_POLICIES = (
     "full,window:n=512,sinks:s=4,n=512,sinks:s=4,n=512,int8=1,h2o:n=512,h2o:n=512,int8=1,"
     "confkv,confkv:int8=1,confkv:pyramid=1"
 )
+
+
+def policies_arg(text: str) -> list[str]:
+    """argparse type: comma-separated policy specs, with the parser's own message on error."""
+    try:
+        return policy_list(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _common(p, json_required: bool = True) -> None:
@@ -40,7 +49,7 @@ def add_parser(sub) -> None:
     q = evsub.add_parser("ppl", help="teacher-forced perplexity with per-step eviction, policies batched")
     _common(q)
     _text_args(q, 4096)
-    q.add_argument("--policies", type=policy_list, default=policy_list(DEFAULT_PPL_POLICIES))
+    q.add_argument("--policies", type=policies_arg, default=policy_list(DEFAULT_PPL_POLICIES))
     q.add_argument(
         "--match-bytes", metavar="SPEC", help="scale every evicting policy to this spec's peak bytes"
     )
@@ -70,7 +79,7 @@ def add_parser(sub) -> None:
     _text_args(q, 256)
     q.add_argument("--new-tokens", type=positive_int, default=3840, help="tokens generated after the prompt")
     q.add_argument(
-        "--policies", type=policy_list, default=policy_list("full,window:n=512,confkv,confkv:int8=1")
+        "--policies", type=policies_arg, default=policy_list("full,window:n=512,confkv,confkv:int8=1")
     )
     q.add_argument("--match-bytes", metavar="SPEC")
     q.set_defaults(run=eval_commands.run_memory)
@@ -81,7 +90,7 @@ def add_parser(sub) -> None:
     ):
         q = evsub.add_parser(name, help=helptext)
         _common(q)
-        q.add_argument("--policies", type=policy_list, default=policy_list("full,window:n=512,confkv"))
+        q.add_argument("--policies", type=policies_arg, default=policy_list("full,window:n=512,confkv"))
         q.add_argument("--match-bytes", metavar="SPEC")
         q.add_argument("--max-new-tokens", type=positive_int, default=16)
         q.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk (tokens)")

@@ -11,10 +11,13 @@ def _setup(args):
     """Validate shared args, set threads, load the model. Returns (model, tokenizer)."""
     import torch
 
+    from confkv.eval.common import match_reference
     from confkv.models import load_model
 
     if args.json.suffix == ".md":
         raise UsageError("--json must not end in .md (the markdown table is written next to it)")
+    if getattr(args, "match_bytes", None):
+        match_reference(args.match_bytes)
     if args.threads:
         torch.set_num_threads(args.threads)
     return load_model(args.model)

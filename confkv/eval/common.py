@@ -51,11 +51,17 @@ def matched_policies(specs: list[str], geometry: KVGeometry, match: str | None) 
     policies = [parse_policy(s) for s in specs]
     if match is None:
         return policies
+    reference = match_reference(match)
+    target = reference.resolve(geometry).peak_bytes_bound(geometry)
+    return [p.replace(bytes=target) if p.evicts else p for p in policies]
+
+
+def match_reference(match: str) -> CachePolicy:
+    """The --match-bytes reference policy (must evict, else it has no byte bound)."""
     reference = parse_policy(match)
     if not reference.evicts:
         raise ValueError(f"--match-bytes needs an evicting reference policy, got {match!r}")
-    target = reference.resolve(geometry).peak_bytes_bound(geometry)
-    return [p.replace(bytes=target) if p.evicts else p for p in policies]
+    return reference
 
 
 @dataclass
