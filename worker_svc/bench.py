@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_pool_bytes=1 << 34, max_batch_size=max(batches), prefill_chunk=args.prefill_chunk
     )
     engine = Engine(model, codec, config)
+    run_sessions(engine, args.policies.split(";")[0], texts[:2], 4, True, "warmup")  # first forwards are slow
     loadavg = [round(x, 2) for x in os.getloadavg()]
     results = [
         measure(engine, p, b, texts, args.max_new_tokens) for p in args.policies.split(";") for b in batches

@@ -1,0 +1,34 @@
+"""``confkv worker`` argument handling (no model is loaded for bad usage) and byte sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from confkv.cli.main import main
+from worker_svc.app import parse_bytes
+
+
+@pytest.mark.parametrize(
+    "text, value", [("268435456", 268435456), ("256MiB", 256 << 20), ("1.5GB", 1_500_000_000), ("1e6", 10**6)]
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["banana", "0", "-5MiB", "12 parsecs", ""])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["worker", "--kv-pool-bytes", "banana"], "not a byte size"),
+        (["worker", "--policy", "confkv:n_high=oops"], "not a valid int"),
+        (["worker", "--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_worker_usage_errors_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
