@@ -1,0 +1,127 @@
+"""Locust users speaking gRPC to the Conf-KV scheduler, holding agent-like conversations.
+
+Headless against ``confkv serve`` (default 127.0.0.1:50051; needs ``pip install -e .[load]``)::
+
+    locust -f loadtest/locustfile.py --headless --host 127.0.0.1:50051 -u 4 -r 1 -t 2m \
+        --policy confkv:int8=1 --max-new-tokens 32 --summary-json reports/locust_summary.json
+
+Each user opens a session and sends the turns of a conversation (pasted Austen pages, tool
+results as JSON, follow-up questions about earlier turns), then ends the session and starts a
+new one. Per RPC, locust's stats show ``CreateSession``, ``Chat`` (whole turn, response length
+= tokens), ``Chat:ttft`` (time to first token) and ``Chat:itl`` (mean inter-token latency of
+the turn); failures carry the gRPC status code. ``--summary-json`` adds p50/p95 TTFT and ITL,
+aggregate tokens/s and failures per RPC.
+"""
+
+from __future__ import annotations
+
+# gevent must patch grpc before any channel exists: locust runs users as greenlets, and a
+# blocking grpc call would otherwise freeze every user on the same process.
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()
+
+import itertools  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import grpc  # noqa: E402
+from locust import User, between, events, task  # noqa: E402
+
+from loadtest.client import SchedulerClient  # noqa: E402
+from loadtest.conversations import ConversationConfig, conversation, load_corpus  # noqa: E402
+from loadtest.metrics import TurnMetrics, summarize  # noqa: E402
+
+_seeds = itertools.count()
+_turns: list[TurnMetrics] = []
+_failures: Counter[str] = Counter()
+_started = time.perf_counter()
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser) -> None:
+    parser.add_argument("--policy", default="confkv:int8=1", help="policy spec of every session")
+    parser.add_argument("--model", default="", help="model name (empty = the server's default)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    parser.add_argument("--page-chars", type=int, default=1200, help="characters per pasted page")
+    parser.add_argument(
+        "--corpus", default="", help="folder of austen_*.txt (default: ../shared/data/corpus)"
+    )
+    parser.add_argument("--summary-json", default="", help="write TTFT/ITL/tokens-per-second summary here")
+
+
+@events.test_start.add_listener
+def _reset(environment, **_) -> None:
+    global _started
+    _turns.clear()
+    _failures.clear()
+    _started = time.perf_counter()
+
+
+@events.test_stop.add_listener
+def _write_summary(environment, **_) -> None:
+    options = environment.parsed_options
+    summary = summarize(_turns, dict(_failures), time.perf_counter() - _started)
+    summary |= {"policy": options.policy, "users": options.num_users, "host": environment.host}
+    print("confkv load summary:", json.dumps(summary))
+    if options.summary_json:
+        Path(options.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+class ConversationUser(User):
+    """One agent: a session per conversation, turns sent one after another."""
+
+    wait_time = between(0.5, 2.0)
+    abstract = False
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        self.client = SchedulerClient(self.host or "127.0.0.1:50051")
+        self.corpus = load_corpus(options.corpus) if options.corpus else load_corpus()
+        self.config = ConversationConfig(page_chars=options.page_chars, turns=options.turns)
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    def _fire(self, name: str, started: float, length: int = 0, error: Exception | None = None, ms=None):
+        elapsed = ms if ms is not None else 1000 * (time.perf_counter() - started)
+        events.request.fire(
+            request_type="grpc", name=name, response_time=elapsed, response_length=length,
+            exception=error, context={},
+        )  # fmt: skip
+        if error is not None:
+            code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
+            _failures[f"{name}:{code}"] += 1
+
+    def _call(self, name: str, fn, *args):
+        started = time.perf_counter()
+        try:
+            result = fn(*args)
+        except grpc.RpcError as err:
+            self._fire(name, started, error=err)
+            return None
+        if name != "Chat":
+            self._fire(name, started)
+        return result
+
+    @task
+    def hold_conversation(self) -> None:
+        options = self.environment.parsed_options
+        session = self._call("CreateSession", self.client.create_session, options.policy, options.model)
+        if session is None:
+            return
+        for turn in conversation(self.corpus, next(_seeds), self.config):
+            reply = self._call("Chat", self.client.chat, session, turn, options.max_new_tokens)
+            if reply is None:
+                break
+            metrics = reply.metrics
+            _turns.append(metrics)
+            self._fire("Chat", time.perf_counter(), metrics.tokens, ms=1000 * metrics.seconds)
+            if metrics.ttft_s is not None:
+                self._fire("Chat:ttft", 0.0, ms=1000 * metrics.ttft_s)
+            if metrics.itl_s:
+                self._fire("Chat:itl", 0.0, ms=1000 * sum(metrics.itl_s) / len(metrics.itl_s))
+        self._call("EndSession", self.client.end_session, session)
