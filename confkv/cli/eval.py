@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
         "--match-bytes", metavar="SPEC", help="scale every evicting policy to this spec's peak bytes"
     )
     q.add_argument("--plot", type=Path, help="perplexity vs peak KV bytes PNG (default: OUT.png)")
+    q.add_argument(
+        "--checkpoint-every", type=positive_int, default=0, help="write OUT.partial.json every N tokens"
+    )
     q.set_defaults(run=eval_commands.run_ppl)
 
     q = evsub.add_parser(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from confkv.cli.main import UsageError
@@ -53,15 +54,19 @@ def run_ppl(args) -> int:
     config = PplConfig(tuple(args.policies), args.match_bytes)
     model, tok = _setup(args)
     ids = load_text_tokens(tok, args.text_file, args.tokens, args.offset_chars)
-    results = run_ppl(model, ids, config, progress=not args.no_progress)
-    payload = _payload(
-        args,
-        int(ids.shape[0]),
-        results,
-        text_file=str(args.text_file),
-        offset_chars=args.offset_chars,
-        match_bytes=args.match_bytes,
-    )
+    meta = {
+        "text_file": str(args.text_file),
+        "offset_chars": args.offset_chars,
+        "match_bytes": args.match_bytes,
+    }
+
+    def checkpoint(partial: dict) -> None:
+        scored = next(iter(partial.values()))["scored_tokens"]
+        body = _payload(args, scored + 1, partial, **meta, partial_of=int(ids.shape[0]))
+        args.json.with_suffix(".partial.json").write_text(json.dumps(body, indent=1) + "\n")
+
+    results = run_ppl(model, ids, config, not args.no_progress, None, checkpoint, args.checkpoint_every)
+    payload = _payload(args, int(ids.shape[0]), results, **meta)
     ref = "full" if "full" in results else None
     table = markdown_table(
         result_rows(results, "ppl", ref),

@@ -84,12 +84,15 @@ def teacher_forced_batch(
     on_step: StepHook | None = None,
     progress: bool = False,
     desc: str = "tokens",
+    partial: Callable[[BatchRun], None] | None = None,
+    partial_every: int = 0,
 ) -> BatchRun:
     """Feed the same ids (T,) to every row, one token per step after the first.
 
     Returns the NLL of tokens 1..T-1 for every row (B, T-1). ``on_step(i, logits, cache)`` runs
     after step i's logits (B, V) were observed (budgets already set for the next step), so a
-    hook may override budgets (schedule replay) or read distributions (KL shift)."""
+    hook may override budgets (schedule replay) or read distributions (KL shift).
+    ``partial(run_so_far)`` is called every ``partial_every`` steps (checkpoints of long runs)."""
     rows = len(cache.seqs)
     steps = ids.shape[0] - 1
     nll = torch.empty(rows, steps)
@@ -106,11 +109,18 @@ def teacher_forced_batch(
             byte_sum[b] += seq.nbytes()
         if on_step is not None:
             on_step(i, logits, cache)
+        if partial is not None and partial_every and (i + 1) % partial_every == 0 and i + 1 < steps:
+            partial(_snapshot(nll, byte_sum, i + 1, start, cache))
         if i + 1 < steps:
             logits = decode_one_token(model, cache, ids[i + 1].expand(rows))
+    return _snapshot(nll, byte_sum, steps, start, cache)
+
+
+def _snapshot(nll: torch.Tensor, byte_sum: list[float], done: int, start: float, cache) -> BatchRun:
+    """The run so far: NLL of the first ``done`` scored tokens (same as a shorter run's)."""
     return BatchRun(
-        nll=nll,
-        mean_bytes=[s / steps for s in byte_sum],
+        nll=nll[:, :done],
+        mean_bytes=[s / done for s in byte_sum],
         peak_bytes=[seq.stats.peak_bytes for seq in cache.seqs],
         seconds=time.perf_counter() - start,
         cache=cache,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +40,29 @@ def row_result(run: BatchRun, row: int) -> dict:
     }
 
 
-def run_ppl(model, ids: torch.Tensor, config: PplConfig, progress: bool = False, on_step=None) -> dict:
-    """ids (T,) -> {spec: result}; ``seconds`` is the wall time of the whole batch (shared)."""
+def _results(run: BatchRun, specs: tuple[str, ...]) -> dict:
+    results = {spec: row_result(run, b) for b, spec in enumerate(specs)}
+    for entry in results.values():
+        entry["batch_rows"] = len(specs)
+        entry["scored_tokens"] = int(run.nll.shape[1])
+    return results
+
+
+def run_ppl(
+    model,
+    ids: torch.Tensor,
+    config: PplConfig,
+    progress: bool = False,
+    on_step=None,
+    checkpoint: Callable[[dict], None] | None = None,
+    checkpoint_every: int = 0,
+) -> dict:
+    """ids (T,) -> {spec: result}; ``seconds`` is the wall time of the whole batch (shared).
+    ``checkpoint(results_so_far)`` runs every ``checkpoint_every`` tokens (long runs)."""
     policies = matched_policies(list(config.specs), geometry_of(model), config.match_bytes)
     cache = ConfKVCache.for_model(model, policies)
-    run = teacher_forced_batch(model, cache, ids, on_step=on_step, progress=progress, desc="ppl")
-    results = {spec: row_result(run, b) for b, spec in enumerate(config.specs)}
-    for entry in results.values():
-        entry["batch_rows"] = len(config.specs)
-    return results
+    partial = (lambda run: checkpoint(_results(run, config.specs))) if checkpoint else None
+    run = teacher_forced_batch(
+        model, cache, ids, on_step, progress, "ppl", partial=partial, partial_every=checkpoint_every
+    )
+    return _results(run, config.specs)

@@ -71,8 +71,10 @@ def test_ppl_cli_writes_json_markdown_and_plot(text_file, tmp_path, chat_model_d
     out = tmp_path / "ppl.json"
     argv = ["eval", "ppl", "--model", str(chat_model_dir), "--text-file", str(text_file), "--tokens", "40"]
     argv += ["--policies", "full,window:n=16,confkv:p=4,s=2,int8=1,w=4", "--match-bytes", "window:n=16"]
-    assert main([*argv, "--json", str(out), "--no-progress"]) == 0
+    assert main([*argv, "--json", str(out), "--no-progress", "--checkpoint-every", "13"]) == 0
     payload = json.loads(out.read_text())
+    partial = json.loads(out.with_suffix(".partial.json").read_text())
+    assert partial["tokens"] == 27 and partial["partial_of"] == 40  # checkpoints after 13 and 26 scored
     assert payload["tokens"] == 40 and payload["model"] == str(chat_model_dir)
     assert set(payload["results"]) == {"full", "window:n=16", "confkv:p=4,s=2,int8=1,w=4"}
     for r in payload["results"].values():
