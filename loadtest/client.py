@@ -20,6 +20,7 @@ class TurnReply:
     metrics: TurnMetrics
     finish_reason: int
     session_bytes: int
+    queued_s: float = 0.0  # time the turn waited for KV room (from GenerationDone)
 
 
 def metadata() -> tuple[tuple[str, str], ...]:
@@ -49,7 +50,7 @@ class SchedulerClient:
             max_new_tokens=max_new_tokens, temperature=0.0, seed=seed,
         )  # fmt: skip
         timer = TurnTimer()
-        text, reason, kv = "", 0, 0
+        text, reason, kv, queued_s = "", 0, 0, 0.0
         for event in self.stub.Chat(request, timeout=self.timeout_s, metadata=metadata()):
             kind = event.WhichOneof("event")
             if kind == "token":
@@ -58,9 +59,9 @@ class SchedulerClient:
             elif kind == "queued":
                 timer.queued = True
             elif kind == "done":
-                text, reason = event.done.text, event.done.reason
+                text, reason, queued_s = event.done.text, event.done.reason, event.done.queued_seconds
                 kv = event.done.session.kv_bytes if event.done.HasField("session") else kv
-        return TurnReply(text, timer.finish(), reason, kv)
+        return TurnReply(text, timer.finish(), reason, kv, queued_s)
 
     def end_session(self, session_id: str) -> None:
         self.stub.EndSession(
