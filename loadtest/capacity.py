@@ -39,13 +39,14 @@ class StepRecorder:
         engine.on_step = self
 
     def reset(self) -> None:
-        self.max_batch = self.max_used = self.steps = self.over_capacity = 0
+        self.max_batch = self.max_used = self.steps = self.over_capacity = self.max_resident = 0
 
     def __call__(self, stats) -> None:
         self.steps += 1
         self.max_batch = max(self.max_batch, stats.batch_size)
         self.max_used = max(self.max_used, stats.used_bytes)
         self.over_capacity += stats.used_bytes > stats.capacity_bytes
+        self.max_resident = max(self.max_resident, len(self.engine.sessions))  # sessions open on the worker
         if self.inner is not None:
             self.inner(stats)
 
@@ -125,7 +126,8 @@ def run_level(
     client.close()
     result = summarize(metrics, dict(failures), wall)
     result |= {
-        "policy": policy, "sessions": n, "max_batch": recorder.max_batch, "decode_steps": recorder.steps,
+        "policy": policy, "sessions": n, "max_batch": recorder.max_batch,
+        "max_resident": recorder.max_resident, "decode_steps": recorder.steps,
         "max_used_bytes": recorder.max_used, "capacity_bytes": recorder.engine.config.kv_pool_bytes,
         "steps_over_capacity": recorder.over_capacity, "queued_notices": sum(queued),
         "expected_turns": n * conv.turns,

@@ -24,7 +24,8 @@ def plot(report: dict, path: Path) -> None:
         if cap:
             ax_tp.axvline(cap, color=color, ls=":", lw=1)
             ax_ttft.axvline(cap, color=color, ls=":", lw=1)
-    ax_tp.set(xlabel="concurrent sessions", ylabel="aggregate tokens/s", title="throughput (: capacity)")
+    ax_tp.set(xlabel="concurrent sessions", ylabel="aggregate tokens/s")
+    ax_tp.set_title("throughput (dotted line: capacity)")
     ax_ttft.set(xlabel="concurrent sessions", ylabel="time to first token (s)", title="TTFT")
     ax_tp.legend(fontsize=8)
     ax_ttft.legend(fontsize=8)

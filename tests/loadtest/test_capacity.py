@@ -40,16 +40,16 @@ CONV = ConversationConfig(page_chars=120, turns=2)
 def test_full_serves_two_together_and_queues_the_third_without_loss(stack):
     address, recorder = stack
     two = run_level(address, recorder, "full", 2, CONV, max_new=3, seed=0)
-    assert two["served_concurrently"] and two["max_batch"] == 2 and two["failed"] == 0
+    assert two["served_concurrently"] and two["max_resident"] == 2 and two["failed"] == 0
     three = run_level(address, recorder, "full", 3, CONV, max_new=3, seed=10)
     assert not three["served_concurrently"]
     assert three["failed"] == 0 and three["turns"] == 6  # over capacity: it waits, nothing is lost
-    assert three["queued_notices"] > 0
+    assert three["queued_notices"] > 0 and three["max_resident"] == 2
     assert three["steps_over_capacity"] == 0 and three["max_used_bytes"] <= three["capacity_bytes"]
 
 
 def test_bounded_policy_serves_more_in_the_same_pool(stack):
     address, recorder = stack
     row = run_level(address, recorder, SMALL, 6, CONV, max_new=3, seed=20)
-    assert row["served_concurrently"] and row["max_batch"] == 6
+    assert row["served_concurrently"] and row["max_resident"] == 6 and row["max_batch"] >= 2
     assert row["turns"] == 12 and row["tokens"] > 0 and row["ttft_ms_p95"] >= row["ttft_ms_p50"] > 0
