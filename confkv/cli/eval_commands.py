@@ -120,6 +120,9 @@ def run_klshift(args) -> int:
     summary, samples = run_klshift(model, ids, config, progress=not args.no_progress)
     payload = _payload(args, int(ids.shape[0]), {f"window:n={args.recent}": summary}, samples=samples)
     rows = [{k: v for k, v in summary.items() if not isinstance(v, list)}]
+    for name in ("pearson", "spearman"):
+        lo, hi = summary[f"{name}_ci95"]
+        rows[0][f"{name} CI95"] = f"[{lo:.3f}, {hi:.3f}]"
     table = markdown_table(rows, list(rows[0]))
     scatter_plot(
         samples["confidence"],
