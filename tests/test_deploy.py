@@ -111,3 +111,31 @@ def test_docker_compose_config_when_available():
             [docker, "compose", "--profile", profile, "config", "--quiet"], cwd=ROOT, capture_output=True
         )
         assert done.returncode == 0, done.stderr.decode()
+
+
+def test_healthchecks_pass_against_running_services():
+    """Each service's healthcheck command, pointed at a live worker / scheduler (tiny model)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from confkv.attention import enable
+    from loadtest.capacity import start_services
+    from worker_svc.codec import ByteChatCodec
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=ByteChatCodec.vocab_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    enable(model)
+    _, worker, server = start_services(model, ByteChatCodec(), "tiny", 2**24, 256, 4, 5.0)
+    ports = {"50061": worker.address.rsplit(":", 1)[1], "50051": server.address.rsplit(":", 1)[1]}
+    try:
+        for name in ("scheduler", _workers("cpu")[0], _workers("gpu")[0]):
+            snippet = SERVICES[name]["healthcheck"]["test"][3]
+            port = re.search(r"127\.0\.0\.1:(\d+)", snippet).group(1)
+            snippet = snippet.replace(f"127.0.0.1:{port}", f"127.0.0.1:{ports[port]}")
+            done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{name}: {done.stderr[-500:]}"
+    finally:
+        server.stop(0.5)
+        worker.stop(0.5)
