@@ -31,11 +31,31 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def create_engine(model_name: str, kv_pool_bytes: int, **config) -> Engine:
-    """Load ``model_name`` (``smollm2``, hub id or folder) and build an engine around it."""
+def create_engine(
+    model_name: str, kv_pool_bytes: int, device: str = "auto", dtype: str = "auto", **config
+) -> Engine:
+    """Load ``model_name`` (``smollm2``, hub id or folder) on ``device`` and build an engine.
+
+    device ``auto`` = CUDA when available (Triton kernels) else CPU; dtype ``auto`` = bf16 on
+    CUDA, fp32 on CPU.
+    """
+    import torch
+
     from confkv.models import load_model
 
-    model, tokenizer = load_model(model_name)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    dtypes = {
+        "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+        "fp32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+    model, tokenizer = load_model(model_name, dtype=dtypes[dtype], device=device)
     max_positions = getattr(model.config, "max_position_embeddings", None) or 8192
     config.setdefault("max_context_tokens", int(max_positions))
     return Engine(model, HFChatCodec(tokenizer), EngineConfig(kv_pool_bytes=kv_pool_bytes, **config))

@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=positive_int, default=50061, help="0 = any free port")
     p.add_argument("--kv-pool-bytes", default="256MiB", help="KV pool, e.g. 268435456, 256MiB, 2GB")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="model dtype")
     p.add_argument("--policy", default="confkv", help="default policy spec for sessions that give none")
     p.add_argument("--max-batch", type=positive_int, default=16, help="sequences per decode step")
     p.add_argument("--max-queue", type=positive_int, default=64, help="turns waiting for room")
@@ -52,7 +54,7 @@ def run(args) -> int:
     )  # fmt: skip
     if args.max_context:
         config["max_context_tokens"] = args.max_context
-    engine = create_engine(args.model, pool, **config)
+    engine = create_engine(args.model, pool, device=args.device, dtype=args.dtype, **config)
     worker = start_worker(
         engine,
         args.model,
