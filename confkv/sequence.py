@@ -81,7 +81,7 @@ class SequenceCache:
         return StepRecord(self.last_confidence, self.budget, self.tokens_per_layer(), list(self.layer_bytes))
 
     def _refresh_bytes(self, layer: int) -> None:
-        self.layer_bytes[layer] = self.stores[layer].nbytes()
+        self.layer_bytes[layer] = self.stores[layer].nbytes_fast()
         total = sum(self.layer_bytes)
         if total > self.stats.peak_bytes:
             self.stats.peak_bytes = total
@@ -91,6 +91,7 @@ class SequenceCache:
         """Evict lowest-scored tokens of ``layer`` down to ``keep`` (never protected ones)."""
         store = self.stores[layer]
         n = len(store)
+        keep = max(keep, 0)
         if not self.policy.evicts or n <= keep:
             return 0
         positions = store.meta("pos")
@@ -109,7 +110,9 @@ class SequenceCache:
     def before_append(self, layer: int, incoming: int) -> None:
         """Make room so that the layer holds at most its budget, and at most ``w`` FP tokens
         (INT8 policies), after ``incoming`` tokens arrive: peak bytes stay within the bound."""
-        self.evict_to(layer, self.layer_budgets[layer] - incoming)
+        budget = self.layer_budgets[layer]
+        if len(self.stores[layer]) + incoming > budget:
+            self.evict_to(layer, budget - incoming - self.policy.slack)
         self.stores[layer].demote_old(incoming)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -103,6 +103,9 @@ class LayerStore:
         axis = {"k": 1, "v": 1, "ks": 1, "vs": 1, "pos": 0, "ema": 0, "cum": 0}
         self.fp = _Part({**fp, **meta()}, axis)
         self.q = _Part({**q, **meta()}, axis)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._fp_slot_bytes = 2 * h * d * itemsize  # K + V of one token, all KV heads
+        self._q_slot_bytes = 2 * h * d + 2 * h * torch.empty((), dtype=torch.float16).element_size()
 
     # -- sizes -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -111,6 +114,10 @@ class LayerStore:
     def nbytes(self) -> int:
         """Exact bytes of the stored KV tensors: INT8 payload + scales + FP window."""
         return self.fp.nbytes(("k", "v")) + self.q.nbytes(("k", "v", "ks", "vs"))
+
+    def nbytes_fast(self) -> int:
+        """Same value as ``nbytes()`` from the live counts and per-slot sizes (no tensor views)."""
+        return self.fp.n * self._fp_slot_bytes + self.q.n * self._q_slot_bytes
 
     def reserved_bytes(self) -> int:
         kv = [self.fp.t[n] for n in ("k", "v")] + [self.q.t[n] for n in ("k", "v", "ks", "vs")]

@@ -63,6 +63,7 @@ SPECS = [
     "recency:n_high=48,n_low=24,p=8,s=2",
     "attention:n_high=48,n_low=24,p=8,s=2",
     "confkv:n_high=48,n_low=24,p=8,s=2",
+    "confkv:n_high=48,n_low=24,p=8,s=2,slack=8",
     "confkv:n_high=48,n_low=24,p=8,s=2,int8=1,w=16,pyramid=1",
 ]
 
@@ -80,6 +81,18 @@ def test_bytes_are_exact_and_peak_within_budget(tiny_model, token_ids, spec):
     assert 0 < seq.stats.peak_bytes <= bound
     if policy.evicts:
         assert max(seq.tokens_per_layer()) <= max(policy.layer_budgets(policy.budget_rule().peak, 3))
+
+
+def test_slack_amortizes_eviction(tiny_model, token_ids):
+    """With slack=8 eviction runs about every 8th step, and the budget still holds."""
+    runs = {}
+    for slack in (0, 8):
+        cache = ConfKVCache.for_model(tiny_model, f"window:n=40,slack={slack}")
+        teacher_forced_logits(tiny_model, cache, token_ids[:, :200])
+        steps = cache.seqs[0].stats.evictions_per_step
+        runs[slack] = sum(1 for e in steps if e)
+        assert max(cache.seqs[0].tokens_per_layer()) <= 40
+    assert runs[8] * 6 < runs[0]
 
 
 def test_byte_budget_spec_caps_peak_bytes(tiny_model, token_ids):

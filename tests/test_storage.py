@@ -66,7 +66,7 @@ def test_store_demotes_old_tokens_compacts_and_counts_bytes_exactly():
             mask = torch.ones(len(store), dtype=torch.bool)
             mask[step % len(store)] = False
             store.keep(mask)
-        assert store.nbytes() == _stored_nbytes(store)
+        assert store.nbytes() == _stored_nbytes(store) == store.nbytes_fast()
         positions = store.meta("pos")
         assert positions.unique().numel() == positions.numel() == len(store)
     assert store.q.n > 0 and store.nbytes() == store.fp.n * 2 * 2 * 8 * 4 + store.q.n * 2 * 2 * (8 + 2)

@@ -25,7 +25,9 @@ class CachePolicy:
     p: recent tokens never evicted; s: first tokens never evicted (attention sinks);
     int8: store tokens older than ``w`` positions as INT8; pyramid/slope: deeper layers get
     smaller budgets with the same total; decay: EMA decay of received attention;
-    bytes: optional peak KV byte budget that overrides the token budgets (resolved per model).
+    bytes: optional peak KV byte budget that overrides the token budgets (resolved per model);
+    slack: when eviction has to run, evict this many extra tokens so it runs about every
+    ``slack`` steps instead of every step (a speed knob; the mean cache shrinks by ~slack/2).
     """
 
     name: ClassVar[str] = "base"
@@ -40,6 +42,7 @@ class CachePolicy:
     slope: float = 0.5
     decay: float = 0.9
     bytes: int | None = None
+    slack: int = 0
 
     def __post_init__(self) -> None:
         if self.p < 0 or self.s < 0:
@@ -50,6 +53,8 @@ class CachePolicy:
             raise ValueError(f"{self.name}: slope must be in [0, 1), got {self.slope}")
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"{self.name}: decay must be in [0, 1), got {self.decay}")
+        if self.slack < 0:
+            raise ValueError(f"{self.name}: slack must be >= 0, got {self.slack}")
         if self.bytes is not None and self.bytes <= 0:
             raise ValueError(f"{self.name}: bytes must be positive, got {self.bytes}")
         if self.evicts and self.budget_rule().peak < self.min_tokens:
