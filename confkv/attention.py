@@ -29,9 +29,8 @@ def _attend_one(seq: SequenceCache, layer: int, q: torch.Tensor, scaling: float)
     k8, k8s, v8, v8s, kf, vf = store.kv_views()
     m = q.shape[1]
     if m == 1:
-        zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-        off8 = torch.cat([zero, zero + k8.shape[1]])
-        offf = torch.cat([zero, zero + kf.shape[1]])
+        off8 = torch.tensor([0, k8.shape[1]], dtype=torch.int32, device=q.device)
+        offf = torch.tensor([0, kf.shape[1]], dtype=torch.int32, device=q.device)
         out, mass8, massf = decode_attention(q.transpose(0, 1), k8, k8s, v8, v8s, kf, vf, off8, offf, scaling)
         out = out.transpose(0, 1)
     else:

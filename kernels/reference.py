@@ -71,6 +71,9 @@ def decode_attention_ref(q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, scalin
     Returns out (B, Hq, D) in q's dtype, mass8 (Hkv, N8) and massf (Hkv, Nf) float32.
     """
     batch = q.shape[0]
+    if batch == 1:  # the CPU worker's common case: no slicing, no scatter
+        out, m8, mf = _attend_one(q[0].unsqueeze(1), k8, k8s, v8, v8s, kf, vf, scaling)
+        return out.transpose(0, 1), m8, mf
     outs = []
     mass8 = torch.zeros(k8.shape[0], k8.shape[1], dtype=torch.float32, device=q.device)
     massf = torch.zeros(kf.shape[0], kf.shape[1], dtype=torch.float32, device=q.device)
