@@ -167,10 +167,12 @@ def trace_item(model, tok, item: dict, config: RecallConfig, out: str | Path) ->
 
 
 def _question_start(tok, item: dict, ids: torch.Tensor) -> int:
-    """Token index where the final user message's text begins (searched from the end)."""
-    question = tok(item["messages"][-1]["content"][:200], add_special_tokens=False).input_ids[:8]
+    """Token index where the question (last paragraph of the final user message) begins."""
+    question_text = item["messages"][-1]["content"].strip().split("\n\n")[-1]
+    question = tok(question_text, add_special_tokens=False).input_ids[:8]
     seq = ids.tolist()
-    for start in range(len(seq) - len(question), -1, -1):
-        if seq[start : start + len(question)] == question:
-            return start
+    for probe in (question, question[1:]):  # the first token may merge with what precedes it
+        for start in range(len(seq) - len(probe), -1, -1):
+            if probe and seq[start : start + len(probe)] == probe:
+                return start - (len(question) - len(probe))
     return 0
