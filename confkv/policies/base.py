@@ -143,7 +143,7 @@ class GatedPolicy(CachePolicy):
     """Policies on Conf-KV's confidence-gated schedule (confkv and its matched-rate ablations)."""
 
     n_high: int = 512
-    n_low: int = 256
+    n_low: int = 448  # tuned on Emma (reports/tune_emma_1024.md): gentle pruning wins at equal peak bytes
     tau: float = 0.5
     p: int = 64
     s: int = 4

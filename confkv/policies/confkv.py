@@ -15,7 +15,7 @@ from confkv.policies.select import TokenStats
 class ConfKVPolicy(GatedPolicy):
     name: ClassVar[str] = "confkv"
     needs_attention: ClassVar[bool] = True
-    alpha: float = 0.5
+    alpha: float = 0.9  # tuned on Emma: mostly EMA attention, recency breaks ties
 
     def __post_init__(self) -> None:
         super().__post_init__()
