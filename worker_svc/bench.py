@@ -48,7 +48,8 @@ def run_sessions(engine: Engine, policy: str, texts: list[str], max_new: int, to
     start = time.perf_counter()
     handles = []
     for sid, text in zip(ids, texts, strict=True):
-        handles.append(engine.submit(TurnRequest(sid, (ChatMessage("user", text),), max_new_tokens=max_new)))
+        request = TurnRequest(sid, (ChatMessage("user", text),), max_new_tokens=max_new, ignore_eos=True)
+        handles.append(engine.submit(request))
         if not together:
             engine.run_until_idle()
     engine.run_until_idle()
@@ -92,7 +93,9 @@ def markdown(report: dict) -> str:
         "# Worker throughput: continuous batching vs sequential",
         "",
         f"Model `{report['model']}`, {report['threads']} torch threads, "
-        f"{report['max_new_tokens']} new tokens per session (greedy), prompts of about "
+        f"{report['max_new_tokens']} new tokens per session (greedy, EOS ignored as in "
+        "throughput benchmarks), "
+        "prompts of about "
         f"{report['prompt_tokens_mean']:.0f} tokens, prefill chunk "
         f"{report['prefill_chunk']}. Load average at start {report['loadavg_start']}. Command: "
         f"`{report['command']}`",

@@ -310,7 +310,7 @@ class Engine:
         """Sample the turn's next token and stream it; returns True when it must be fed."""
         token = int(sample(turn.logits[None], turn.request.temperature, turn.generator)[0])
         turn.generated.append(token)
-        if token in self.codec.eos_ids:
+        if token in self.codec.eos_ids and not turn.request.ignore_eos:
             self._finish(turn, FinishReason.EOS)
             return False
         text = self.codec.decode(turn.generated)
@@ -364,4 +364,4 @@ class Engine:
 
 
 def _rest(request: TurnRequest) -> tuple:
-    return request.temperature, request.seed, request.request_id
+    return request.temperature, request.seed, request.request_id, request.ignore_eos

@@ -98,6 +98,7 @@ class TurnRequest:
     temperature: float = 0.0
     seed: int = 0
     request_id: str = ""
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens (not on the wire)
 
 
 @dataclass(frozen=True)

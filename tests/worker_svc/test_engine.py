@@ -213,3 +213,19 @@ def test_background_thread_streams_and_stops(make_engine):
         engine.stop(grace=1.0)
     with pytest.raises(Exception, match="shutting down"):
         engine.open_session("late", "full", [])
+
+
+def test_ignore_eos_generates_exactly_max_new_tokens(make_engine):
+    """Throughput benchmarks ask for a fixed length; EOS must not end those turns early."""
+    engine = make_engine()
+    lengths = {}
+    for ignore in (False, True):
+        for i, prompt in enumerate(PROMPTS):
+            sid = f"e{int(ignore)}-{i}"
+            engine.open_session(sid, "full", [])
+            handle = engine.submit(TurnRequest(sid, user(prompt), max_new_tokens=40, ignore_eos=ignore))
+            engine.run_until_idle()
+            tokens, done = events_of(handle)
+            lengths[sid] = (done.reason, done.generated_tokens)
+    forced = [v for k, v in lengths.items() if k.startswith("e1")]
+    assert all(reason is FinishReason.MAX_TOKENS and n == 40 for reason, n in forced)
