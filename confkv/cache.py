@@ -115,17 +115,15 @@ class ConfKVCache(Cache):
     def observe_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (B, V) of the newest position -> confidence (B,), fed to every sequence with
         its policy's weights; sets each sequence's budget for the next step."""
-        values = []
-        for seq, row in zip(self.seqs, logits, strict=True):
-            c = float(confidence(row, seq.confidence_weights))
+        rows_by_weights: dict = {}
+        for row, seq in enumerate(self.seqs):
+            rows_by_weights.setdefault(seq.confidence_weights, []).append(row)
+        values = torch.empty(len(self.seqs))
+        for weights, rows in rows_by_weights.items():  # one batched softmax per distinct weighting
+            values[rows] = confidence(logits[rows], weights).cpu()
+        for seq, c in zip(self.seqs, values.tolist(), strict=True):
             seq.observe_confidence(c)
-            values.append(c)
-        return torch.tensor(values)
-
-    def observe_confidence(self, confidence: torch.Tensor) -> list[int]:
-        """confidence (B,) of the newest logits -> each sequence's next budget."""
-        values = confidence.reshape(-1).tolist()
-        return [seq.observe_confidence(c) for seq, c in zip(self.seqs, values, strict=True)]
+        return values
 
     def positions_for_next(self, n_new: int = 1) -> torch.Tensor:
         """(B, n_new) true positions of the next tokens of every sequence (ragged batches)."""

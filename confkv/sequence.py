@@ -42,6 +42,7 @@ class SequenceCache:
         ]
         self.generator = torch.Generator().manual_seed(int(getattr(self.policy, "seed", seed)))
         self.layer_bytes = [0] * geometry.n_layers
+        self._total_bytes = 0
         self.stats = SequenceStats()
         self.last_confidence: float | None = None
         self._evicted_this_step = 0
@@ -72,7 +73,7 @@ class SequenceCache:
         return self.stores[0].next_pos
 
     def nbytes(self) -> int:
-        return sum(self.layer_bytes)
+        return self._total_bytes
 
     def tokens_per_layer(self) -> list[int]:
         return [len(s) for s in self.stores]
@@ -81,10 +82,11 @@ class SequenceCache:
         return StepRecord(self.last_confidence, self.budget, self.tokens_per_layer(), list(self.layer_bytes))
 
     def _refresh_bytes(self, layer: int) -> None:
-        self.layer_bytes[layer] = self.stores[layer].nbytes_fast()
-        total = sum(self.layer_bytes)
-        if total > self.stats.peak_bytes:
-            self.stats.peak_bytes = total
+        now = self.stores[layer].nbytes_fast()
+        self._total_bytes += now - self.layer_bytes[layer]
+        self.layer_bytes[layer] = now
+        if self._total_bytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = self._total_bytes
 
     # -- eviction -----------------------------------------------------------------------------------
     def evict_to(self, layer: int, keep: int) -> int:
@@ -97,9 +99,7 @@ class SequenceCache:
         positions = store.meta("pos")
         stats = TokenStats(positions, store.meta("ema"), store.meta("cum"), store.next_pos, self.generator)
         scores = self.policy.score(stats)
-        mask = select_keep(
-            scores, positions, max(keep, 0), store.next_pos - self.policy.protected, self.policy.s
-        )
+        mask = select_keep(scores, positions, keep, store.next_pos - self.policy.protected, self.policy.s)
         store.keep(mask)
         evicted = n - len(store)
         self.stats.evicted_tokens += evicted
@@ -125,5 +125,8 @@ class SequenceCache:
         if self.policy.needs_attention:
             store.add_attention(mass8, massf, self.policy.decay)
         self.evict_to(layer, self.layer_budgets[layer])
-        store.demote_old()
-        self._refresh_bytes(layer)
+        # before_append already demoted everything the window lets go of; FP tokens can only be
+        # out of the window here when a chunk longer than the window arrived in one piece.
+        if store.int8 and store.fp.n > store.window:
+            store.demote_old()
+            self._refresh_bytes(layer)

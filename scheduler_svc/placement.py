@@ -23,10 +23,7 @@ from scheduler_svc.errors import ResourceExhausted
 def reservation_bytes(policy: CachePolicy, geometry: KVGeometry, max_context: int) -> int:
     """Worst-case KV bytes of one session: its policy's peak bound for this model, never more
     than a full cache of ``max_context`` tokens (which is what a ``full`` session may grow to)."""
-    full = geometry.full_bytes(max_context)
-    if not policy.evicts:
-        return full
-    return min(policy.resolve(geometry).peak_bytes_bound(geometry), full)
+    return policy.worst_case_bytes(geometry, max_context)
 
 
 @dataclass

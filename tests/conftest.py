@@ -11,17 +11,15 @@ from confkv.attention import enable
 VOCAB = 101
 
 
-def tiny_llama(layers: int = 3, seed: int = 0):
+def tiny_llama(layers: int = 3, seed: int = 0, vocab: int = VOCAB, **overrides):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
+        **{
+            "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+            **overrides,
+        }
+    )  # fmt: skip
     return LlamaForCausalLM(cfg).eval()
 
 

@@ -68,12 +68,6 @@ def policy_bound(policy: CachePolicy, geometry: KVGeometry) -> int | None:
     return policy.peak_bytes_bound(geometry) if policy.evicts else None
 
 
-def worst_case_bytes(policy: CachePolicy, geometry: KVGeometry, context_tokens: int) -> int:
-    full = geometry.full_bytes(context_tokens)
-    bound = policy_bound(policy, geometry)
-    return full if bound is None else min(bound, full)
-
-
 def release_idle(sessions: Mapping[str, Session], keep: Session, needed: int) -> int:
     """Free idle sessions' KV (least recently used first) until ``needed`` reserved bytes are
     released; their transcripts stay, their next turn rebuilds the cache. Returns bytes freed."""

@@ -98,7 +98,7 @@ class Engine:
             if len(ids) >= limit:
                 raise PoolExhausted(f"the conversation has {len(ids)} tokens; the context limit is {limit}")
             capped = min(max_new, limit - len(ids))
-            reserve = admission.worst_case_bytes(session.policy, self.geometry, len(ids) + capped)
+            reserve = session.policy.worst_case_bytes(self.geometry, len(ids) + capped)
             if reserve > self.config.kv_pool_bytes:
                 raise PoolExhausted(
                     f"the turn needs up to {reserve} KV bytes ({session.policy.spec()}, {len(ids)} + "
@@ -138,7 +138,7 @@ class Engine:
             raise InvalidRequest(f"context_tokens must be >= 0, got {context_tokens}")
         max_new = admission.check_max_new_tokens(max_new, self.config)
         tokens = context_tokens + (len(self.codec.encode_chat(messages)) if messages else 0)
-        worst = admission.worst_case_bytes(resolved, self.geometry, tokens + max_new)
+        worst = resolved.worst_case_bytes(self.geometry, tokens + max_new)
         bound = admission.policy_bound(resolved, self.geometry)
         return Estimate(worst, bound or 0, resolved.spec(), tokens, worst <= self.config.kv_pool_bytes)
 

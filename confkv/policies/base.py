@@ -94,6 +94,14 @@ class CachePolicy:
         budgets = self.layer_budgets(self.budget_rule().peak, geometry.n_layers)
         return geometry.bytes_bound(budgets, self.int8, self.w)
 
+    def worst_case_bytes(self, geometry: KVGeometry, context_tokens: int) -> int:
+        """Most KV bytes a session of ``context_tokens`` tokens can hold: the policy's peak bound,
+        never more than a full cache of that context (what a ``full`` session grows to)."""
+        full = geometry.full_bytes(context_tokens)
+        if not self.evicts:
+            return full
+        return min(self.resolve(geometry).peak_bytes_bound(geometry), full)
+
     def _peak_bytes_at(self, tokens: int, geometry: KVGeometry) -> int | None:
         """Peak bytes when scaled to ``tokens``; None when that budget cannot be split over the
         layers (a pyramid needs somewhat more than ``min_tokens`` per layer on average)."""

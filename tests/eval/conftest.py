@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from confkv.attention import enable
+from tests.conftest import tiny_llama
 
 
 def eval_llama(vocab: int = 128, layers: int = 2, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(layers, seed, vocab, max_position_embeddings=2048, tie_word_embeddings=True)
     enable(model)
     return model
 
