@@ -17,7 +17,21 @@ from confkv_kernels.dispatch import (  # noqa: E402
     chunk_attention,
     decode_attention,
     default_backend,
+    gather_pages,
+    page_scores,
     quantize_int8,
+    scatter_pages,
+    summarize_pages,
 )
 
-__all__ = ["Backend", "chunk_attention", "decode_attention", "default_backend", "quantize_int8"]
+__all__ = [
+    "Backend",
+    "chunk_attention",
+    "decode_attention",
+    "default_backend",
+    "gather_pages",
+    "page_scores",
+    "quantize_int8",
+    "scatter_pages",
+    "summarize_pages",
+]

@@ -10,7 +10,7 @@ import enum
 import os
 
 import torch
-from confkv_kernels import reference
+from confkv_kernels import recall_reference, reference
 
 
 class Backend(enum.Enum):
@@ -59,3 +59,28 @@ def quantize_int8(x, backend=None):
     backend = backend or default_backend(x.device)
     impl = _triton().quantize_int8 if backend is Backend.TRITON else reference.quantize_int8_ref
     return impl(x)
+
+
+# -- recall tier (cold pages); see ``recall_reference`` for layouts ------------------------------
+def summarize_pages(k8, ks, valid, backend=None):
+    backend = backend or default_backend(k8.device)
+    impl = _triton().summarize_pages if backend is Backend.TRITON else recall_reference.summarize_pages_ref
+    return impl(k8, ks, valid)
+
+
+def page_scores(q, lo8, hi8, sscale, lse, scaling, backend=None):
+    backend = backend or default_backend(q.device)
+    impl = _triton().page_scores if backend is Backend.TRITON else recall_reference.page_scores_ref
+    return impl(q, lo8, hi8, sscale, lse, scaling)
+
+
+def gather_pages(k8, v8, ks, vs, valid, slots, backend=None):
+    backend = backend or default_backend(k8.device)
+    impl = _triton().gather_pages if backend is Backend.TRITON else recall_reference.gather_pages_ref
+    return impl(k8, v8, ks, vs, valid, slots)
+
+
+def scatter_pages(k8, v8, ks, vs, valid, slot, offset, tk8, tv8, tks, tvs, backend=None):
+    backend = backend or default_backend(k8.device)
+    impl = _triton().scatter_pages if backend is Backend.TRITON else recall_reference.scatter_pages_ref
+    return impl(k8, v8, ks, vs, valid, slot, offset, tk8, tv8, tks, tvs)
