@@ -25,6 +25,7 @@ def _offsets(lengths: list[int], device) -> torch.Tensor:
 
 def _attend_one(seq: SequenceCache, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """q (Hq, M, D) of one sequence -> (Hq, M, D); updates that sequence's statistics."""
+    seq.maybe_recall(layer, q, scaling)
     store = seq.stores[layer]
     k8, k8s, v8, v8s, kf, vf = store.kv_views()
     m = q.shape[1]
@@ -43,6 +44,8 @@ def _attend_one(seq: SequenceCache, layer: int, q: torch.Tensor, scaling: float)
 
 def _attend_batched_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float):
     """One fused ragged call for a decode batch on the Triton path: q (B, Hq, 1, D)."""
+    for b, seq in enumerate(seqs):
+        seq.maybe_recall(layer, q[b], scaling)
     views = [s.stores[layer].kv_views() for s in seqs]
     k8, k8s, v8, v8s, kf, vf = (torch.cat([v[i] for v in views], dim=1) for i in range(6))
     off8 = _offsets([v[0].shape[1] for v in views], q.device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from confkv.cache import ConfKVCache
+from confkv.recall import SUMMARY_SHARE
 
 
 @dataclass
@@ -31,7 +32,23 @@ def prefill_chunk_size(cache: ConfKVCache, requested: int) -> int:
             size = min(size, min(seq.layer_budgets) - pol.protected - pol.s)
         if pol.int8:
             size = min(size, pol.w)
+        if pol.recall:  # page summaries may take up to SUMMARY_SHARE of the smallest budget
+            size = min(size, int(min(seq.layer_budgets) * (1 - SUMMARY_SHARE)) - pol.protected - pol.s)
     return max(1, size)
+
+
+def chunk_bounds(total: int, step: int, last_at_least: int) -> list[tuple[int, int]]:
+    """[start, end) chunks of at most ``step`` tokens; the last one holds at least
+    ``last_at_least`` tokens where the prompt allows (the recall observation window)."""
+    bounds = [(s, min(s + step, total)) for s in range(0, total, step)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < last_at_least:
+        cut = max(bounds[-2][0] + 1, total - min(last_at_least, step))
+        bounds[-2:] = [(bounds[-2][0], cut), (cut, total)]
+    return bounds
+
+
+def observation_window(cache: ConfKVCache) -> int:
+    return max((s.policy.obs for s in cache.seqs if s.policy.recall), default=1)
 
 
 @torch.no_grad()
@@ -55,8 +72,11 @@ def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int 
         raise ValueError("empty prompt: at least one token is needed")
     step = prefill_chunk_size(cache, chunk_size)
     logits = None
-    for start in range(0, input_ids.shape[1], step):
-        logits = forward(model, cache, input_ids[:, start : start + step])[:, -1]
+    bounds = chunk_bounds(input_ids.shape[1], step, observation_window(cache))
+    for i, (start, end) in enumerate(bounds):
+        for seq in cache.seqs:
+            seq.arm_prompt_recall(final_chunk=i == len(bounds) - 1)
+        logits = forward(model, cache, input_ids[:, start:end])[:, -1]
     cache.observe_logits(logits)
     return logits
 
@@ -88,6 +108,8 @@ def _trace_row(step: int, token: int, cache: ConfKVCache) -> dict:
         "tokens_per_layer": rec.tokens_per_layer,
         "bytes_per_layer": rec.bytes_per_layer,
         "kv_bytes": sum(rec.bytes_per_layer),
+        "cold_bytes": rec.cold_bytes,
+        "recalls": [vars(e) for e in rec.recalls],
     }
 
 

@@ -8,8 +8,11 @@ import torch
 
 from confkv.confidence import ConfidenceWeights
 from confkv.memory import KVGeometry
-from confkv.policies import CachePolicy, TokenStats, select_keep
+from confkv.policies import CachePolicy, GatedPolicy, TokenStats, select_keep
+from confkv.recall import RecallEvent, RecallMode, RecallTier
 from confkv.storage import LayerStore
+
+_PIN_BONUS = 1e9  # pinned (just recalled) tokens outrank every unpinned one; the budget stays hard
 
 
 @dataclass
@@ -20,6 +23,8 @@ class StepRecord:
     budget: int
     tokens_per_layer: list[int]
     bytes_per_layer: list[int]
+    cold_bytes: int = 0
+    recalls: list[RecallEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -27,6 +32,10 @@ class SequenceStats:
     peak_bytes: int = 0
     evicted_tokens: int = 0
     evictions_per_step: list[int] = field(default_factory=list)
+    peak_cold_bytes: int = 0
+    recalled_tokens: int = 0
+    cold_dropped_tokens: int = 0
+    recall_steps: int = 0
 
 
 class SequenceCache:
@@ -41,6 +50,7 @@ class SequenceCache:
             for _ in range(geometry.n_layers)
         ]
         self.generator = torch.Generator().manual_seed(int(getattr(self.policy, "seed", seed)))
+        self.tier = RecallTier(self.policy, geometry, device, self.generator) if self.policy.recall else None
         self.layer_bytes = [0] * geometry.n_layers
         self._total_bytes = 0
         self.stats = SequenceStats()
@@ -64,8 +74,20 @@ class SequenceCache:
         self.last_confidence = float(confidence)
         self.stats.evictions_per_step.append(self._evicted_this_step)
         self._evicted_this_step = 0
-        self.set_budget(self.rule(self.last_confidence))
+        budget = self.rule(self.last_confidence)
+        if self.tier is not None:
+            gated = isinstance(self.policy, GatedPolicy)
+            fire = self.tier.decide(unsure=gated and self.last_confidence < self.policy.tau)
+            self.stats.recall_steps += int(fire)
+            if gated and self.policy.recall_trigger in ("random", "every"):
+                budget = self.policy.n_high if fire else self.policy.n_low
+        self.set_budget(budget)
         return self.budget
+
+    def arm_prompt_recall(self, final_chunk: bool) -> None:
+        """Before a prompt chunk: the final chunk of a prompt (new turn) recalls, others do not."""
+        if self.tier is not None:
+            self.tier.mode = RecallMode.SWAP if final_chunk else RecallMode.NONE
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
@@ -73,16 +95,38 @@ class SequenceCache:
         return self.stores[0].next_pos
 
     def nbytes(self) -> int:
+        """Hot bytes: stored KV tensors the attention reads, plus the cold pages' summaries."""
         return self._total_bytes
+
+    def cold_nbytes(self) -> int:
+        return self.tier.cold_bytes() if self.tier is not None else 0
+
+    def hot_budget(self, layer: int) -> int:
+        """Token slots of ``layer`` for this step: its budget less what page summaries take."""
+        if self.tier is None:
+            return self.layer_budgets[layer]
+        return self.layer_budgets[layer] - self.tier.summary_tokens(layer)
 
     def tokens_per_layer(self) -> list[int]:
         return [len(s) for s in self.stores]
 
     def record(self) -> StepRecord:
-        return StepRecord(self.last_confidence, self.budget, self.tokens_per_layer(), list(self.layer_bytes))
+        recalls = self.tier.pop_events() if self.tier is not None else []
+        return StepRecord(
+            self.last_confidence,
+            self.budget,
+            self.tokens_per_layer(),
+            list(self.layer_bytes),
+            self.cold_nbytes(),
+            recalls,
+        )
 
     def _refresh_bytes(self, layer: int) -> None:
         now = self.stores[layer].nbytes_fast()
+        if self.tier is not None:
+            now += self.tier.cold[layer].summary_bytes()
+            cold = self.tier.cold_bytes()
+            self.stats.peak_cold_bytes = max(self.stats.peak_cold_bytes, cold)
         self._total_bytes += now - self.layer_bytes[layer]
         self.layer_bytes[layer] = now
         if self._total_bytes > self.stats.peak_bytes:
@@ -99,7 +143,12 @@ class SequenceCache:
         positions = store.meta("pos")
         stats = TokenStats(positions, store.meta("ema"), store.meta("cum"), store.next_pos, self.generator)
         scores = self.policy.score(stats)
+        if self.tier is not None:
+            scores = scores.float() + _PIN_BONUS * (store.meta("pin") >= store.next_pos)
         mask = select_keep(scores, positions, keep, store.next_pos - self.policy.protected, self.policy.s)
+        if self.tier is not None:
+            dropped = self.tier.add_evicted(layer, store.take_int8(~mask))
+            self.stats.cold_dropped_tokens += dropped
         store.keep(mask)
         evicted = n - len(store)
         self.stats.evicted_tokens += evicted
@@ -110,10 +159,19 @@ class SequenceCache:
     def before_append(self, layer: int, incoming: int) -> None:
         """Make room so that the layer holds at most its budget, and at most ``w`` FP tokens
         (INT8 policies), after ``incoming`` tokens arrive: peak bytes stay within the bound."""
-        budget = self.layer_budgets[layer]
-        if len(self.stores[layer]) + incoming > budget:
-            self.evict_to(layer, budget - incoming - self.policy.slack)
+        self._fit(layer, incoming, self.policy.slack)
         self.stores[layer].demote_old(incoming)
+
+    def _fit(self, layer: int, incoming: int = 0, slack: int = 0) -> None:
+        """Evict until ``layer`` holds at most its hot budget once ``incoming`` tokens arrive.
+        With recall, evicted tokens may open cold pages whose summaries take hot slots, so the
+        budget can shrink while evicting: repeat until it holds (converges in a few rounds)."""
+        store = self.stores[layer]
+        if len(store) + incoming > self.hot_budget(layer):
+            self.evict_to(layer, self.hot_budget(layer) - incoming - slack)
+        while self.tier is not None and len(store) + incoming > self.hot_budget(layer):
+            if self.evict_to(layer, self.hot_budget(layer) - incoming) == 0:
+                break
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.stores[layer].append(k, v)
@@ -124,9 +182,34 @@ class SequenceCache:
         store = self.stores[layer]
         if self.policy.needs_attention:
             store.add_attention(mass8, massf, self.policy.decay)
-        self.evict_to(layer, self.layer_budgets[layer])
+        self._fit(layer)
         # before_append already demoted everything the window lets go of; FP tokens can only be
         # out of the window here when a chunk longer than the window arrived in one piece.
         if store.int8 and store.fp.n > store.window:
             store.demote_old()
             self._refresh_bytes(layer)
+
+    # -- recall ------------------------------------------------------------------------------------------
+    def maybe_recall(self, layer: int, q: torch.Tensor, scaling: float) -> int:
+        """Before ``layer`` attends with q (Hq, M, D): if this forward is armed, bring back the
+        cold pages the queries point at (fill the free room, or swap up to ``rtok`` tokens with
+        the lowest-scored hot ones). The hot set never exceeds ``hot_budget``. Returns tokens."""
+        tier = self.tier
+        if tier is None or tier.mode is RecallMode.NONE:
+            return 0
+        store = self.stores[layer]
+        budget = self.hot_budget(layer)
+        free = max(0, budget - len(store))
+        room = free
+        if tier.mode is RecallMode.SWAP:
+            movable = budget - self.policy.protected - self.policy.s - 1
+            room = max(free, min(tier.swap_tokens(budget), movable))
+        tokens = tier.take(layer, q, store, scaling, room)
+        if tokens is None:
+            return 0
+        n = tokens["pos"].shape[0]
+        self._fit(layer, incoming=n)
+        store.insert_int8(tokens)
+        self.stats.recalled_tokens += n
+        self._refresh_bytes(layer)
+        return n

@@ -6,7 +6,8 @@ Layout (matches ``confkv_kernels``):
   q_ks, q_vs  (Hkv, cap_q)     float16       per-(head, token) scales
 Slots are unordered: eviction fills holes with the last live slots (no dead slots, O(evicted)
 copies) and appends write in place, so a decode step never copies the whole cache. Per-token
-metadata (positions, EMA of received attention, cumulative attention) moves with the slots.
+metadata (positions, EMA of received attention, cumulative attention, and the position until
+which a recalled token is pinned) moves with the slots.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from confkv_kernels import quantize_int8
 
-_META = ("pos", "ema", "cum")
+_META = ("pos", "ema", "cum", "pin")
 
 
 class _Part:
@@ -88,6 +89,7 @@ class LayerStore:
                 "pos": torch.zeros(0, dtype=torch.long, device=device),
                 "ema": torch.zeros(0, dtype=torch.float32, device=device),
                 "cum": torch.zeros(0, dtype=torch.float32, device=device),
+                "pin": torch.zeros(0, dtype=torch.long, device=device),
             }
 
         fp = {
@@ -100,7 +102,7 @@ class LayerStore:
             "ks": torch.zeros(h, 0, dtype=torch.float16, device=device),
             "vs": torch.zeros(h, 0, dtype=torch.float16, device=device),
         }
-        axis = {"k": 1, "v": 1, "ks": 1, "vs": 1, "pos": 0, "ema": 0, "cum": 0}
+        axis = {"k": 1, "v": 1, "ks": 1, "vs": 1, "pos": 0, "ema": 0, "cum": 0, "pin": 0}
         self.fp = _Part({**fp, **meta()}, axis)
         self.q = _Part({**q, **meta()}, axis)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -139,7 +141,8 @@ class LayerStore:
         m = k.shape[1]
         pos = torch.arange(self.next_pos, self.next_pos + m, device=k.device)
         zeros = torch.zeros(m, dtype=torch.float32, device=k.device)
-        self.fp.append({"k": k, "v": v, "pos": pos, "ema": zeros, "cum": zeros})
+        pin = torch.zeros(m, dtype=torch.long, device=k.device)
+        self.fp.append({"k": k, "v": v, "pos": pos, "ema": zeros, "cum": zeros, "pin": pin})
         self.next_pos += m
         return pos
 
@@ -177,6 +180,31 @@ class LayerStore:
                 "pos": moved["pos"],
                 "ema": moved["ema"],
                 "cum": moved["cum"],
+                "pin": moved["pin"],
             }
         )
         self.fp.keep(~old)
+
+    # -- recall tier: tokens leave and return in INT8 form ----------------------------------------
+    def take_int8(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copies of the tokens where ``mask`` (n,) is True (ordered as ``meta()``), in INT8 form:
+        k, v (Hkv, m, D) int8, ks, vs (Hkv, m) float16, pos, ema, cum (m,). INT8 slots are taken
+        byte for byte; FP slots are quantized exactly as ``demote_old`` would."""
+        n_q = self.q.n
+        parts = []
+        if bool(mask[:n_q].any()):
+            parts.append(self.q.take(mask[:n_q]))
+        if bool(mask[n_q:].any()):
+            moved = self.fp.take(mask[n_q:])
+            k8, ks = quantize_int8(moved["k"])
+            v8, vs = quantize_int8(moved["v"])
+            parts.append({**moved, "k": k8, "v": v8, "ks": ks, "vs": vs})
+        if not parts:
+            return {}
+        if len(parts) == 1:
+            return parts[0]
+        return {name: torch.cat([p[name] for p in parts], dim=self.q.axis[name]) for name in parts[0]}
+
+    def insert_int8(self, tokens: dict[str, torch.Tensor]) -> None:
+        """Add INT8 tokens (the ``take_int8`` layout, ``pin`` included) to the INT8 slots."""
+        self.q.append(tokens)

@@ -28,6 +28,16 @@ class CachePolicy:
     bytes: optional peak KV byte budget that overrides the token budgets (resolved per model);
     slack: when eviction has to run, evict this many extra tokens so it runs about every
     ``slack`` steps instead of every step (a speed knob; the mean cache shrinks by ~slack/2).
+
+    Recall tier (``recall=1``, storage like ``int8``, orthogonal to ranking; see confkv/recall.py):
+    evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped, and
+    come back when a trigger asks: at the end of every prompt / new turn (the last ``obs``
+    queries score the cold pages, up to ``rtok`` tokens are swapped in; 0 = a quarter of the
+    layer budget), and on decode steps by ``trigger``: ``gate`` (confkv: an unsure step fills
+    the n_high - n_low room with recalled pages), ``random`` (steps drawn at ``rate``),
+    ``every`` (every ``every`` steps) or ``prompt`` (prompt ends only). Recalled tokens are
+    pinned for ``hold`` positions. ``cold_bytes`` bounds the cold tier per sequence (the least
+    attended pages are dropped and counted); page summaries count as hot bytes.
     """
 
     name: ClassVar[str] = "base"
@@ -43,6 +53,15 @@ class CachePolicy:
     decay: float = 0.9
     bytes: int | None = None
     slack: int = 0
+    recall: bool = False
+    page: int = 32
+    rtok: int = 0
+    obs: int = 32
+    hold: int = 16
+    trigger: str | None = None  # gate | prompt | random | every
+    rate: float = 0.0
+    every: int = 0
+    cold_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.p < 0 or self.s < 0:
@@ -57,11 +76,39 @@ class CachePolicy:
             raise ValueError(f"{self.name}: slack must be >= 0, got {self.slack}")
         if self.bytes is not None and self.bytes <= 0:
             raise ValueError(f"{self.name}: bytes must be positive, got {self.bytes}")
+        self._validate_recall()
         if self.evicts and self.budget_rule().peak < self.min_tokens:
             raise ValueError(
                 f"{self.name}: budget {self.budget_rule().peak} is smaller than the protected "
                 f"tokens p+s+1={self.min_tokens}"
             )
+
+    def _validate_recall(self) -> None:
+        if not self.recall:
+            return
+        if not self.evicts:
+            raise ValueError(f"{self.name}: recall=1 needs an evicting policy ({self.name} keeps everything)")
+        if self.page < 1 or self.obs < 1 or self.hold < 0 or self.rtok < 0 or self.every < 0:
+            raise ValueError(f"{self.name}: page and obs must be >= 1, hold, rtok and every >= 0")
+        if self.trigger not in (None, "gate", "prompt", "random", "every"):
+            raise ValueError(
+                f"{self.name}: trigger is one of gate, prompt, random or every, not {self.trigger!r}"
+            )
+        if self.recall_trigger == "gate" and not isinstance(self, GatedPolicy):
+            raise ValueError(f"{self.name}: trigger=gate needs a confidence-gated policy (confkv, ablations)")
+        if self.recall_trigger == "random" and not 0.0 < self.rate <= 1.0:
+            raise ValueError(f"{self.name}: trigger=random needs 0 < rate <= 1, got {self.rate}")
+        if self.recall_trigger == "every" and self.every < 1:
+            raise ValueError(f"{self.name}: trigger=every needs every >= 1")
+        if self.cold_bytes is not None and self.cold_bytes <= 0:
+            raise ValueError(f"{self.name}: cold_bytes must be positive, got {self.cold_bytes}")
+
+    @property
+    def recall_trigger(self) -> str:
+        """The decode-step trigger: the spec's, else ``gate`` on gated policies, else ``prompt``."""
+        if self.trigger is not None:
+            return self.trigger
+        return "gate" if isinstance(self, GatedPolicy) else "prompt"
 
     # -- what subclasses provide -------------------------------------------------------------
     def budget_rule(self) -> FixedBudget | GatedBudget:
