@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from confkv.cache import ConfKVCache
+from confkv.data import sample_text
 from confkv.decode import decode_one_token, prefill, sample
 from confkv.models import load_model
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/corpus/austen_emma.txt"
+CORPUS = sample_text("emma")  # shipped excerpt (about 11K tokens); --text-file for longer contexts
 
 
 class _HFRunner:

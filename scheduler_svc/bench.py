@@ -74,7 +74,7 @@ def free_port() -> int:
 
 
 def start_worker(model: str, port: int, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "confkv.cli.main", "worker", "--model", model, "--port", str(port)]
+    args = [sys.executable, "-m", "confkv_serve", "worker", "--model", model, "--port", str(port)]
     args += ["--kv-pool-bytes", "1GiB", "--log-format", "text"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
