@@ -12,7 +12,8 @@ from setuptools.command.build_py import build_py
 
 
 def _codegen():
-    spec = importlib.util.spec_from_file_location("_confkv_proto_build", Path(__file__).parent / "proto" / "build.py")
+    path = Path(__file__).resolve().parent / "proto" / "build.py"
+    spec = importlib.util.spec_from_file_location("_confkv_proto_build", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -84,7 +84,8 @@ def _run_protoc(proto_root: Path, out_dir: Path) -> None:
         import grpc_tools
         from grpc_tools import protoc
     except ImportError:
-        raise RuntimeError("generating the gRPC code needs grpcio-tools: pip install 'confkv[serve]'") from None
+        hint = "pip install 'confkv[serve]'"
+        raise RuntimeError(f"generating the gRPC code needs grpcio-tools: {hint}") from None
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from confkv.cli.main import main
+from confkv_serve.commands import main
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40
 
