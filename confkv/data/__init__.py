@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-_CORPUS = Path(__file__).resolve().parent / "corpus"
+_CORPUS = Path(__file__).resolve().parent  # austen_*.txt sit beside this file (package data)
 
 
 def sample_corpus() -> Path:
