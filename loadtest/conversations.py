@@ -14,7 +14,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "corpus"
+from confkv.data import sample_corpus
+
+DEFAULT_CORPUS = sample_corpus()  # the shipped excerpts; --corpus FOLDER for whole novels
 SYSTEM_PROMPT = "You are a careful research assistant. Answer briefly, using only the material given."
 _NAME = re.compile(r"\b(?:Mr|Mrs|Miss|Lady|Sir|Colonel|Captain)\.? [A-Z][a-z]+")
 

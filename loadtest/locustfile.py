@@ -48,7 +48,7 @@ def _add_arguments(parser) -> None:
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--page-chars", type=int, default=1200, help="characters per pasted page")
     parser.add_argument(
-        "--corpus", default="", help="folder of austen_*.txt (default: ../shared/data/corpus)"
+        "--corpus", default="", help="folder of austen_*.txt (default: confkv.data.sample_corpus())"
     )
     parser.add_argument("--summary-json", default="", help="write TTFT/ITL/tokens-per-second summary here")
 

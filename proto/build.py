@@ -1,18 +1,23 @@
-"""Generate the Python gRPC code from ``proto/confkv/v1/*.proto`` (grpcio-tools).
+"""Generate the Python gRPC code from ``proto/confkv/v1/*.proto`` (grpcio-tools): the codegen step.
 
-Run ``python -m confkv_proto.build`` (or ``python proto/build.py``); importing ``confkv_proto``
-also runs it when the generated files are missing or older than the .proto files. Output goes
-beside the .proto files as ``confkv_proto.confkv.v1.*_pb2[_grpc]``. protoc writes imports as
-``from confkv.v1 import ...``, which would resolve to our ``confkv`` library, so they are
-rewritten to ``from confkv_proto.confkv.v1 import ...``. Generated files are never committed.
+Run by the build (``setup.py``'s ``build_py``, so ``pip install .`` and ``pip install -e .`` both
+generate), by ``make proto`` / ``make setup``, or by hand: ``python proto/build.py`` (also
+``python -m confkv_proto.build``). It never runs on import: importing a missing or stale module
+fails loudly (see ``confkv_proto.__init__``). Generated files are git-ignored, never committed.
+
+The folder ``proto/`` is the import package ``confkv_proto``. protoc is told so with a virtual
+include path (``-Iconfkv_proto=proto``), so the generated modules import each other as
+``from confkv_proto.confkv.v1 import worker_pb2``: plain imports, no rewriting. The wire names
+(``package confkv.v1``) do not depend on file paths.
+
+This file imports nothing from the package, so the build can load it by path.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import hashlib
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -21,7 +26,7 @@ from pathlib import Path
 PROTO_ROOT = Path(__file__).resolve().parent
 PACKAGE = "confkv_proto"
 PROTO_FILES = ("confkv/v1/worker.proto", "confkv/v1/scheduler.proto")
-_IMPORT = re.compile(r"^from confkv\.v1 import ", re.MULTILINE)
+STAMP = "_generated.py"  # records the hash of the sources the code was generated from
 
 
 def generated_names(proto: str) -> list[str]:
@@ -39,20 +44,39 @@ def package_inits() -> list[str]:
 
 
 def expected_outputs() -> list[str]:
-    return [name for proto in PROTO_FILES for name in generated_names(proto)] + package_inits()
+    return [name for proto in PROTO_FILES for name in generated_names(proto)] + package_inits() + [STAMP]
 
 
-def is_stale(out_root: Path, proto_root: Path = PROTO_ROOT) -> bool:
-    """True when an output is missing or older than its .proto (or this script)."""
-    newest_source = max(
-        [(proto_root / p).stat().st_mtime for p in PROTO_FILES] + [Path(__file__).stat().st_mtime]
-    )
-    for name in expected_outputs():
-        path = out_root / name
-        if not path.is_file() or (name.endswith((".py", ".pyi")) and path.stat().st_mtime < newest_source):
-            if not name.endswith("__init__.py") or not path.is_file():
-                return True
-    return False
+def source_hash(proto_root: Path = PROTO_ROOT) -> str:
+    """SHA-256 over the .proto sources (names and bytes): what the generated code must match."""
+    digest = hashlib.sha256()
+    for name in PROTO_FILES:
+        digest.update(name.encode() + b"\0" + (proto_root / name).read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def recorded_hash(out_root: Path) -> str | None:
+    stamp = out_root / STAMP
+    if not stamp.is_file():
+        return None
+    for line in stamp.read_text().splitlines():
+        if line.startswith("SOURCE_SHA256 = "):
+            return line.split("=", 1)[1].strip().strip('"')
+    return None
+
+
+def staleness(out_root: Path = PROTO_ROOT, proto_root: Path = PROTO_ROOT) -> str | None:
+    """Why the generated code in ``out_root`` cannot be used (missing/stale), or None when current."""
+    missing = [name for name in expected_outputs() if not (out_root / name).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if recorded_hash(out_root) != source_hash(proto_root):
+        return "older than the .proto files it was generated from"
+    return None
+
+
+def is_stale(out_root: Path = PROTO_ROOT, proto_root: Path = PROTO_ROOT) -> bool:
+    return staleness(out_root, proto_root) is not None
 
 
 def _run_protoc(proto_root: Path, out_dir: Path) -> None:
@@ -60,75 +84,55 @@ def _run_protoc(proto_root: Path, out_dir: Path) -> None:
         import grpc_tools
         from grpc_tools import protoc
     except ImportError:
-        raise RuntimeError(
-            "generating the gRPC code needs grpcio-tools: pip install 'confkv[serve]'"
-        ) from None
+        hint = "pip install 'confkv[serve]'"
+        raise RuntimeError(f"generating the gRPC code needs grpcio-tools: {hint}") from None
     include = Path(grpc_tools.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
-        f"-I{proto_root}",
+        f"-I{PACKAGE}={proto_root}",  # virtual path: generated imports name the installed package
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        *PROTO_FILES,
+        *(f"{PACKAGE}/{name}" for name in PROTO_FILES),
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {', '.join(PROTO_FILES)} under {proto_root}")
 
 
 def generate(out_root: Path = PROTO_ROOT, proto_root: Path = PROTO_ROOT) -> list[Path]:
-    """Generate into ``out_root`` (atomically per file); returns the written paths."""
+    """Generate into ``out_root`` (each file replaced atomically); returns the written paths."""
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gen-", dir=out_root))
     written = []
     try:
         _run_protoc(proto_root, tmp)
+        staged = tmp / PACKAGE
         for name in package_inits():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / name).write_text('"""Generated by confkv_proto.build; do not edit."""\n')
+            (staged / name).write_text('"""Generated by confkv_proto.build; do not edit."""\n')
+        (staged / STAMP).write_text(
+            '"""Generated by confkv_proto.build; do not edit."""\n\n'
+            f'SOURCE_SHA256 = "{source_hash(proto_root)}"\n'
+        )
         for name in expected_outputs():
-            src = tmp / name
-            text = _IMPORT.sub(f"from {PACKAGE}.confkv.v1 import ", src.read_text())
-            src.write_text(text)
             dst = out_root / name
             dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)  # readers never see a half-written module
+            os.replace(staged / name, dst)  # readers never see a half-written module
             written.append(dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
 
 
-@contextlib.contextmanager
-def _lock(out_root: Path):
-    """Serialize concurrent generation (several processes importing a fresh checkout)."""
-    out_root.mkdir(parents=True, exist_ok=True)
-    with open(out_root / ".gen.lock", "w") as handle:
-        try:
-            import fcntl
-
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except ImportError:  # pragma: no cover - non-POSIX: best effort
-            pass
-        yield
-
-
-def ensure_generated(out_root: Path = PROTO_ROOT) -> bool:
-    """Generate when missing or stale; returns True when it generated."""
-    if not is_stale(out_root):
-        return False
-    with _lock(out_root):
-        if not is_stale(out_root):
-            return False
-        generate(out_root)
-        return True
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=PROTO_ROOT, help="output root (default: proto/)")
+    parser.add_argument("--check", action="store_true", help="only check: exit 1 when missing or stale")
     args = parser.parse_args(argv)
+    if args.check:
+        reason = staleness(args.out)
+        print(f"{args.out}: {reason or 'up to date'}")
+        return 1 if reason else 0
     for path in generate(args.out):
         print(path)
     return 0

@@ -55,7 +55,8 @@ class Recorder:
     """Wraps a WorkerClient: stamps each token as the scheduler receives it from the worker."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.address, self.stamps = inner, inner.address, {}
+        self.inner, self.address = inner, inner.address
+        self.stamps: dict[tuple[str, int], float] = {}
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -74,7 +75,7 @@ def free_port() -> int:
 
 
 def start_worker(model: str, port: int, log: Path) -> subprocess.Popen:
-    args = [sys.executable, "-m", "confkv.cli.main", "worker", "--model", model, "--port", str(port)]
+    args = [sys.executable, "-m", "confkv_serve", "worker", "--model", model, "--port", str(port)]
     args += ["--kv-pool-bytes", "1GiB", "--log-format", "text"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
@@ -111,7 +112,9 @@ def run(model: str, turns: int, tokens: int, policy: str, log: Path) -> dict:
         Scheduler(MemoryStore(), [recorder], SchedulerConfig(default_max_new_tokens=tokens))
     )
     client, direct = SchedulerClient(server.address), GrpcWorkerClient(address)
-    hop, gaps, ttft = [], {"direct": [], "scheduler": []}, {"direct": [], "scheduler": []}
+    hop: list[float] = []
+    gaps: dict[str, list[float]] = {"direct": [], "scheduler": []}
+    ttft: dict[str, list[float]] = {"direct": [], "scheduler": []}
     try:
         for r in range(turns + 1):  # round 0 warms both paths up and is not counted
             prompt = PROMPTS[r % len(PROMPTS)]

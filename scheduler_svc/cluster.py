@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from confkv.policies import parse_policy
 from scheduler_svc.config import SchedulerConfig
@@ -21,7 +21,7 @@ log = logging.getLogger("confkv.scheduler")
 class Cluster:
     def __init__(
         self,
-        workers: list[WorkerClient],
+        workers: Sequence[WorkerClient],
         config: SchedulerConfig,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

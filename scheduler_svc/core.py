@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Sequence
 
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig
@@ -42,13 +42,14 @@ from scheduler_svc.store import SessionStore, new_session_id
 from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("confkv.scheduler")
+Sampling = tuple[int, float, int]  # (max_new_tokens, temperature, seed) as WorkerClient.turn takes them
 
 
 class Scheduler:
     def __init__(
         self,
         store: SessionStore,
-        workers: list[WorkerClient],
+        workers: Sequence[WorkerClient],
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -161,7 +162,7 @@ class Scheduler:
         max_new_tokens: int = 0,
         temperature: float = 0.0,
         seed: int = 0,
-    ) -> Iterator[ChatEvent]:
+    ) -> Generator[ChatEvent, None, None]:
         """Validate now, then return the turn's events: maybe QueuedEvent, tokens, one TurnDone."""
         _check_id(session_id)
         message = self._check_message(message, what="message")
@@ -174,7 +175,9 @@ class Scheduler:
         self.cluster.begin_turn(session_id)
         return self._turn(record, message, (limit, temperature, seed))
 
-    def _turn(self, record: SessionRecord, message: Message, sampling: tuple) -> Iterator[ChatEvent]:
+    def _turn(
+        self, record: SessionRecord, message: Message, sampling: Sampling
+    ) -> Generator[ChatEvent, None, None]:
         session_id, committed = record.session_id, False
         try:
             address, result = yield from self._generate(record, message, sampling)
@@ -193,7 +196,7 @@ class Scheduler:
                 # replays exactly the acknowledged transcript.
                 self._unplace(session_id, address)
 
-    def _generate(self, record: SessionRecord, message: Message, sampling: tuple):
+    def _generate(self, record: SessionRecord, message: Message, sampling: Sampling):
         """Run the turn on the session's worker, re-placing it once if the worker was lost
         before any token was streamed. Generator; returns (address, TurnResult)."""
         for attempt in range(2):

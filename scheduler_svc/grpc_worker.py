@@ -3,7 +3,7 @@ types and its status codes to the scheduler's domain errors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import grpc
 from confkv_proto import worker_pb2, worker_pb2_grpc
@@ -66,7 +66,7 @@ class GrpcWorkerClient:
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._metadata = auth_metadata(token)
         self._timeout = timeout_s
-        self._info = None
+        self._info: worker_pb2.WorkerInfo | None = None
 
     def _call(self, method, request, timeout: float | None = None):
         try:
@@ -80,6 +80,7 @@ class GrpcWorkerClient:
         if self._info is None:
             self._info = self._call(self._stub.Describe, worker_pb2.DescribeRequest(), timeout=3.0)
         info = self._info
+        assert info is not None  # set just above
         fp = self._call(
             self._stub.GetFootprint, worker_pb2.FootprintRequest(include_sessions=True), timeout=3.0
         )
@@ -112,7 +113,7 @@ class GrpcWorkerClient:
 
     def turn(
         self, session_id: str, message: Message, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
-    ) -> Iterator[TokenEvent | TurnResult]:
+    ) -> Generator[TokenEvent | TurnResult, None, None]:
         request = worker_pb2.GenerateRequest(
             session_id=session_id,
             messages=[worker_pb2.ChatMessage(role=message.role, content=message.content)],

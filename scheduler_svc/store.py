@@ -8,6 +8,7 @@ so service recovers as soon as Redis is back.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import dataclasses
 import functools
@@ -45,7 +46,7 @@ class SessionStore(ABC):
         self,
         session_id: str,
         expected_turns: int,
-        messages: list[Message],
+        messages: builtins.list[Message],
         worker: str,
         footprint: int,
         now: float,
@@ -209,7 +210,7 @@ class RedisStore(SessionStore):
 
     @_unavailable_on_connection_error
     def list(self, limit: int = 100, offset: int = 0) -> list[SessionRecord]:
-        ids = self.client.zrevrange(self._index, offset, offset + max(limit, 1) - 1)
+        ids: list[str] = self.client.zrevrange(self._index, offset, offset + max(limit, 1) - 1)  # type: ignore[assignment]
         pipe = self.client.pipeline(transaction=False)
         for session_id in ids:
             pipe.hgetall(self._keys(session_id)[0])

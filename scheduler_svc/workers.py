@@ -8,7 +8,7 @@ session, e.g. it restarted), ``InvalidArgument`` (it rejected the input).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Protocol
 
 from scheduler_svc.domain import Message, TokenEvent, TurnResult, WorkerReport
@@ -26,8 +26,8 @@ class WorkerClient(Protocol):
         ...
 
     def turn(
-        self, session_id: str, message: Message, max_new_tokens: int
-    ) -> Iterator[TokenEvent | TurnResult]:
+        self, session_id: str, message: Message, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> Generator[TokenEvent | TurnResult, None, None]:
         """Append ``message`` and generate: token pieces as produced, then one TurnResult.
         Closing the iterator early cancels generation."""
         ...

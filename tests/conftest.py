@@ -4,37 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from confkv.attention import enable
-
-VOCAB = 101
-
-
-def tiny_llama(layers: int = 3, seed: int = 0, vocab: int = VOCAB, **overrides):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        **{
-            "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-            **overrides,
-        }
-    )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
-
-
-def tiny_gpt2(layers: int = 3, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=64,
-        n_layer=layers,
-        n_head=4,
-        n_positions=1024,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg).eval()
+from tests.helpers import VOCAB, tiny_gpt2, tiny_llama
 
 
 @pytest.fixture(params=["llama", "gpt2"])

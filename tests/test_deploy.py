@@ -14,7 +14,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from confkv.cli.main import COMMANDS, build_parser  # noqa: E402
+from confkv_serve.commands import COMMANDS, build_parser  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -93,7 +93,7 @@ def test_entrypoint_starts(command):
     if command not in COMMANDS:
         pytest.skip(f"'confkv {command}' is not registered yet")
     done = subprocess.run(
-        [sys.executable, "-m", "confkv.cli.main", command, "--help"],
+        [sys.executable, "-m", "confkv_serve", command, "--help"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from confkv.data import sample_text
 from worker_svc.engine import Engine
 from worker_svc.types import ChatMessage, EngineConfig, TokenEvent, TurnDone, TurnRequest
 
-CORPUS = Path(__file__).resolve().parents[1].parent / "shared/data/corpus/austen_prideprejudice.txt"
+CORPUS = sample_text("prideprejudice")  # shipped excerpt; --corpus FILE for another text
 DEFAULT_POLICIES = "confkv:n_high=96,n_low=48,p=16;full"
 
 

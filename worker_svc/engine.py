@@ -52,6 +52,13 @@ from worker_svc.types import (
 log = logging.getLogger("confkv.worker")
 
 
+
+def _seq(turn: Turn) -> SequenceCache:
+    """The cache of a turn's session: created when the session was admitted, before any turn runs."""
+    seq = turn.session.seq
+    assert seq is not None, "a running turn's session holds a cache"
+    return seq
+
 class Engine:
     def __init__(self, model, codec: ChatCodec, config: EngineConfig, on_step: Callable | None = None):
         self.model, self.codec, self.config = model, codec, config
@@ -181,7 +188,7 @@ class Engine:
             continuing = [t for t in decoding if self._emit_next(t)]
         if continuing:
             tokens = torch.tensor([t.generated[-1] for t in continuing], device=self.device)
-            cache = ConfKVCache([t.session.seq for t in continuing])
+            cache = ConfKVCache([_seq(t) for t in continuing])
             logits = decode_one_token(self.model, cache, tokens)  # (B, V), one forward for all
             for turn, row in zip(continuing, logits, strict=True):
                 turn.fed.append(turn.generated[-1])
@@ -295,7 +302,7 @@ class Engine:
 
     def _prefill_chunk(self, turn: Turn) -> None:
         """Feed one chunk of the turn's prompt (lock not held: the turn is the engine's)."""
-        cache = ConfKVCache([turn.session.seq])
+        cache = ConfKVCache([_seq(turn)])
         size = prefill_chunk_size(cache, self.config.prefill_chunk)
         chunk, turn.pending = turn.pending[:size], turn.pending[size:]
         ids = torch.tensor([chunk], device=self.device)
@@ -308,6 +315,7 @@ class Engine:
 
     def _emit_next(self, turn: Turn) -> bool:
         """Sample the turn's next token and stream it; returns True when it must be fed."""
+        assert turn.logits is not None  # set by the last prefill chunk or decode step
         token = int(sample(turn.logits[None], turn.request.temperature, turn.generator)[0])
         turn.generated.append(token)
         if token in self.codec.eos_ids and not turn.request.ignore_eos:
@@ -317,7 +325,7 @@ class Engine:
         delta = ""
         if not text.endswith("\ufffd") and text.startswith(turn.emitted_text):
             delta, turn.emitted_text = text[len(turn.emitted_text) :], text
-        seq = turn.session.seq
+        seq = _seq(turn)
         budget = seq.budget if seq.policy.evicts else 0  # full: no budget (unbounded)
         event = TokenEvent(token, delta, len(turn.generated) - 1, seq.nbytes(), budget)
         turn.handle.events.put(event)

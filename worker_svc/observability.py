@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from worker_svc.stats import StepStats
 
@@ -59,7 +60,7 @@ class WorkerMetrics:
         self.step_seconds = Histogram("confkv_worker_step_seconds", "engine step time", labels,
                                       registry=self.registry)  # fmt: skip
         self.worker_id = worker_id
-        self._server = None
+        self._server: Any = None  # prometheus WSGIServer once serving
         self._last = time.monotonic()
 
     def on_step(self, stats: StepStats) -> None:

@@ -1,11 +1,18 @@
-"""Argument helpers shared by the commands."""
+"""Argument helpers and the error type shared by every ``confkv`` command module."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from pathlib import Path
 
 from confkv.models import SMOLLM2
 from confkv.policies import parse_policy
+
+
+class UsageError(ValueError):
+    """Bad input from the user: reported as a one-line message with exit code 2."""
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -40,3 +47,10 @@ def policy_list(text: str) -> list[str]:
     for spec in specs:
         parse_policy(spec)  # validate early: a clear message before any model is loaded
     return specs
+
+
+def command_line() -> str | None:
+    """The command as typed, for markdown reports (only when run as the console script)."""
+    if sys.argv and Path(sys.argv[0]).name == "confkv":
+        return shlex.join(["confkv", *sys.argv[1:]])
+    return None

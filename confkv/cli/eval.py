@@ -1,15 +1,17 @@
 """``confkv eval ppl|recall|niah|ablation|klshift|memory``: every eval writes --json OUT plus OUT.md.
 
-Inputs are validated before the model loads (bad specs, missing files -> exit 2).
+Inputs are validated before the model loads (bad specs, missing files -> exit 2), and so is the
+``eval`` extra for the subcommands that draw plots (matplotlib) or compute statistics (scipy):
+results are written before any plot, so nothing measured is lost to a missing plotting library.
+This module only wires arguments; the ``run`` functions live in ``confkv.cli.eval_commands``.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 from pathlib import Path
 
+from confkv.cli import eval_commands
 from confkv.cli.common import add_model_arg, policy_list, positive_int
 
 DEFAULT_PPL_POLICIES = (
@@ -39,9 +41,12 @@ def _text_args(p, tokens: int) -> None:
     p.add_argument("--offset-chars", type=positive_int, default=0, help="skip this many characters first")
 
 
-def add_parser(sub) -> None:
-    from confkv.cli import eval_commands
+def plot_extras(args) -> tuple[str, ...]:
+    """Recall/NIAH need matplotlib only for ``--trace-plot``."""
+    return ("eval",) if args.trace_plot else ()
 
+
+def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluations: perplexity, recall, NIAH, ablation, KL shift, memory")
     evsub = p.add_subparsers(dest="eval_command", metavar="EVAL")
     evsub.required = True
@@ -57,7 +62,7 @@ def add_parser(sub) -> None:
     q.add_argument(
         "--checkpoint-every", type=positive_int, default=0, help="write OUT.partial.json every N tokens"
     )
-    q.set_defaults(run=eval_commands.run_ppl)
+    q.set_defaults(run=eval_commands.run_ppl, extras=("eval",))
 
     q = evsub.add_parser(
         "ablation", help="matched-rate ablation: random/recency/attention on confkv's schedule"
@@ -75,7 +80,7 @@ def add_parser(sub) -> None:
     q.add_argument("--every", type=positive_int, default=8, help="sample every N-th step (after K)")
     q.add_argument("--bootstrap", type=positive_int, default=2000, help="bootstrap resamples for the CI")
     q.add_argument("--plot", type=Path, help="scatter PNG (default: OUT.png)")
-    q.set_defaults(run=eval_commands.run_klshift)
+    q.set_defaults(run=eval_commands.run_klshift, extras=("eval",))
 
     q = evsub.add_parser("memory", help="peak and mean KV bytes per policy over a long generation")
     _common(q)
@@ -107,11 +112,5 @@ def add_parser(sub) -> None:
             q.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in (0, 1)")
             q.add_argument("--seed", type=positive_int, default=0)
             q.add_argument("--save-items", type=Path, help="also write the generated items as JSONL")
-        q.set_defaults(run=getattr(eval_commands, f"run_{name}"))
+        q.set_defaults(run=getattr(eval_commands, f"run_{name}"), extras=plot_extras)
 
-
-def command_line() -> str | None:
-    """The command as typed, for the markdown report (only when run as the console script)."""
-    if sys.argv and Path(sys.argv[0]).name == "confkv":
-        return shlex.join(["confkv", *sys.argv[1:]])
-    return None

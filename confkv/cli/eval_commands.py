@@ -1,11 +1,15 @@
-"""The ``run`` functions of ``confkv eval ...`` (argument wiring only; the evals live in confkv.eval)."""
+"""The ``run`` functions of ``confkv eval ...`` (argument wiring only; the evals live in confkv.eval).
+
+Order in every command: validate, load, evaluate, write ``--json OUT`` and ``OUT.md``, *then* plot.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from confkv.cli.main import UsageError
+from confkv.cli.common import UsageError, command_line
 
 
 def _setup(args):
@@ -33,14 +37,18 @@ def _payload(args, tokens, results: dict, **extra) -> dict:
     return {"model": args.model, "tokens": tokens, **extra, "results": results}
 
 
-def _finish(args, payload: dict, title: str, table: str, notes: str = "") -> int:
-    from confkv.cli.eval import command_line
+def _finish(
+    args, payload: dict, title: str, table: str, notes: str = "", plots: Sequence[Callable[[], object]] = ()
+) -> int:
+    """Write the JSON and markdown results, then draw ``plots`` (which may fail without losing them)."""
     from confkv.eval.report import header, write_report
 
     md = header(title, command_line(), payload) + table + ("\n" + notes if notes else "")
     out, md_path = write_report(args.json, payload, md)
     print(table)
     print(f"wrote {out} and {md_path}")
+    for plot in plots:
+        plot()
     return 0
 
 
@@ -79,8 +87,8 @@ def run_ppl(args) -> int:
             f"x less than {ref}" if ref else "policy",
         ],
     )
-    frontier_plot(results, args.plot or args.json.with_suffix(".png"))
-    return _finish(args, payload, "Perplexity with per-step eviction", table)
+    plot = lambda: frontier_plot(results, args.plot or args.json.with_suffix(".png"))
+    return _finish(args, payload, "Perplexity with per-step eviction", table, plots=[plot])
 
 
 def run_ablation(args) -> int:
@@ -124,7 +132,7 @@ def run_klshift(args) -> int:
         lo, hi = summary[f"{name}_ci95"]
         rows[0][f"{name} CI95"] = f"[{lo:.3f}, {hi:.3f}]"
     table = markdown_table(rows, list(rows[0]))
-    scatter_plot(
+    plot = lambda: scatter_plot(
         samples["confidence"],
         samples["kl"],
         args.plot or args.json.with_suffix(".png"),
@@ -132,7 +140,7 @@ def run_klshift(args) -> int:
         f"KL(p_full || p_recent{args.recent})",
         f"KL shift vs confidence (pearson r={summary['pearson_r']:.2f})",
     )
-    return _finish(args, payload, "KL shift vs confidence", table)
+    return _finish(args, payload, "KL shift vs confidence", table, plots=[plot])
 
 
 def run_memory(args) -> int:
@@ -168,11 +176,12 @@ def _run_items(args, model, tok, items, title: str, extra: dict) -> int:
     ref = "full" if "full" in results else None
     cols = ["policy", "resolved", "accuracy", "peak KV MiB", "mean KV MiB"]
     table = markdown_table(result_rows(results, "accuracy", ref), cols)
+    plots = []
     if args.trace_plot:
         from confkv.eval.recall import trace_item
 
-        trace_item(model, tok, items[0], config, args.trace_plot)
-    return _finish(args, payload, title, table)
+        plots.append(lambda: trace_item(model, tok, items[0], config, args.trace_plot))
+    return _finish(args, payload, title, table, plots=plots)
 
 
 def run_recall(args) -> int:

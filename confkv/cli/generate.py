@@ -7,8 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from confkv.cli.common import add_model_arg, positive_int
-from confkv.cli.main import UsageError
+from confkv.cli.common import UsageError, add_model_arg, positive_int
 
 
 def add_parser(sub) -> None:

@@ -46,7 +46,7 @@ class ScheduleReplay:
 def ordering(results: dict) -> dict:
     """Policies from worst to best perplexity, and whether the paper's ordering holds."""
     ppl = {r["resolved_policy"].split(":")[0]: r["ppl"] for r in results.values()}
-    by_ppl = sorted(ppl, key=ppl.get, reverse=True)
+    by_ppl = sorted(ppl, key=lambda name: ppl[name], reverse=True)
     met = ppl["random"] > ppl["recency"] >= ppl["attention"] > ppl["confkv"]
     return {"by_ppl": by_ppl, "expected": EXPECTED, "met": bool(met)}
 
@@ -58,7 +58,7 @@ def run_ablation(
     geometry = geometry_of(model)
     confkv = matched_policies([spec], geometry, match_bytes)[0].resolve(geometry)
     policies = ablation_policies(confkv)
-    cache = ConfKVCache.for_model(model, policies)
+    cache = ConfKVCache.for_model(model, policies)  # type: ignore[arg-type]  # ConfKVCache.for_model should take a Sequence
     replay = ScheduleReplay()
     run = teacher_forced_batch(model, cache, ids, on_step=replay, progress=progress, desc="ablation")
     results = {}

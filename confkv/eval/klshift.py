@@ -50,7 +50,7 @@ def correlations(x: list[float], y: list[float], resamples: int, seed: int = 0) 
     xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if len(xa) < 3:
         raise ValueError(f"klshift: only {len(xa)} sampled steps; use more --tokens or a smaller --every")
-    out = {"n": len(xa), "pearson_r": float(stats.pearsonr(xa, ya)[0])}
+    out: dict[str, object] = {"n": len(xa), "pearson_r": float(stats.pearsonr(xa, ya)[0])}
     out["spearman_r"] = float(stats.spearmanr(xa, ya)[0])
     rng = np.random.default_rng(seed)
     boot_p, boot_s = [], []

@@ -31,7 +31,7 @@ def run_memory(
     if new_tokens < 1:
         raise ValueError(f"memory: new_tokens must be >= 1, got {new_tokens}")
     policies = matched_policies(specs, geometry_of(model), match_bytes)
-    cache = ConfKVCache.for_model(model, policies)
+    cache = ConfKVCache.for_model(model, policies)  # type: ignore[arg-type]  # ConfKVCache.for_model should take a Sequence
     rows = len(policies)
     start = time.perf_counter()
     logits = prefill(model, cache, prompt.view(1, -1).expand(rows, -1), chunk_size)

@@ -60,7 +60,7 @@ def run_ppl(
     """ids (T,) -> {spec: result}; ``seconds`` is the wall time of the whole batch (shared).
     ``checkpoint(results_so_far)`` runs every ``checkpoint_every`` tokens (long runs)."""
     policies = matched_policies(list(config.specs), geometry_of(model), config.match_bytes)
-    cache = ConfKVCache.for_model(model, policies)
+    cache = ConfKVCache.for_model(model, policies)  # type: ignore[arg-type]  # ConfKVCache.for_model should take a Sequence
     partial = (lambda run: checkpoint(_results(run, config.specs))) if checkpoint else None
     run = teacher_forced_batch(
         model, cache, ids, on_step, progress, "ppl", partial=partial, partial_every=checkpoint_every

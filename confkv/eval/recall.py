@@ -111,7 +111,8 @@ def _answer(model, tok, policy, ids, config: RecallConfig) -> dict:
 def run_recall(model, tok, items: list[dict], config: RecallConfig, progress: bool = False):
     """-> ({spec: accuracy + bytes}, per-item rows)."""
     policies = matched_policies(list(config.specs), geometry_of(model), config.match_bytes)
-    per_item, agg = [], {spec: [] for spec in config.specs}
+    per_item: list[dict] = []
+    agg: dict[str, list[dict]] = {spec: [] for spec in config.specs}
     bar = tqdm(total=len(items) * len(policies), desc="recall", disable=not progress, leave=False)
     for item in items:
         ids = prompt_ids(tok, item)

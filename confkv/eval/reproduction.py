@@ -62,7 +62,7 @@ def ppl_claims(reports: Path) -> tuple[list[str], str]:
         others = {s: r["ppl"] for s, r in res.items() if s not in ("full", "confkv:int8=1")}
         within = ck["ppl"] <= full["ppl"] * 1.01
         best = all(ck["ppl"] < v for v in others.values())
-        rival = min(others, key=others.get) if others else None
+        rival = min(others, key=lambda spec: others[spec]) if others else None
         rival_text = f"{rival} {others[rival]:.3f}" if rival else "none run"
         rows.append(
             f"| 1 | perplexity at window:n=512 bytes ({cov}) | confkv+int8 {ck['ppl']:.3f} vs full "

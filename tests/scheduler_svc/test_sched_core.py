@@ -6,13 +6,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-from sched_fakes import GEOMETRY, FakeWorker, reply_for
 
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import Scheduler
 from scheduler_svc.domain import Message, QueuedEvent, TokenEvent, TurnDone
 from scheduler_svc.errors import Conflict, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from scheduler_svc.store import MemoryStore
+from tests.helpers import GEOMETRY, FakeWorker, reply_for
 
 POLICY = "window:n=16"  # reservation: 16 tokens of FP KV in every layer
 NEED = GEOMETRY.full_bytes(16)

@@ -12,13 +12,21 @@ import threading
 import grpc
 import pytest
 from confkv_proto import scheduler_pb2 as pb
-from sched_procs import TOKEN, Proc, save_tiny_model
-from sched_redis import PrivateRedis, delete_prefix, free_port, shared_redis_or_skip, unique_prefix
 
 from scheduler_svc.app import serve_scheduler
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.store import RedisStore
+from tests.helpers import (
+    TOKEN,
+    PrivateRedis,
+    Proc,
+    delete_prefix,
+    free_port,
+    save_tiny_model,
+    shared_redis_or_skip,
+    unique_prefix,
+)
 
 pytestmark = pytest.mark.redis
 POLICY = "window:n=64"  # 64 tokens * 2 layers * 256 B = 32 KiB reserved per session

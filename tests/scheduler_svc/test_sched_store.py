@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from sched_redis import PrivateRedis, delete_prefix, free_port, shared_redis_or_skip, unique_prefix
 
 from scheduler_svc.domain import Message, SessionRecord
 from scheduler_svc.errors import Conflict, NotFound, StoreUnavailable
 from scheduler_svc.store import MemoryStore, RedisStore, new_session_id
+from tests.helpers import PrivateRedis, delete_prefix, free_port, shared_redis_or_skip, unique_prefix
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])

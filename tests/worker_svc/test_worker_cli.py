@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from confkv.cli.main import main
+from confkv_serve.commands import main
 from worker_svc.app import parse_bytes
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from confkv.cli.main import main
+from confkv_serve.commands import main
 
 
 def test_help_lists_commands(capsys):
@@ -60,7 +60,7 @@ def test_generate_writes_trace(tmp_path):
         [
             sys.executable,
             "-m",
-            "confkv.cli.main",
+            "confkv_serve",
             "generate",
             "--prompt",
             "Say hello.",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from confkv.cli.main import main
+from confkv_serve.commands import main
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40
 
@@ -94,3 +94,19 @@ def test_niah_cli_runs_generated_items(text_file, tmp_path, chat_model_dir):
     assert payload["results"]["full"]["items"] == 1
     assert (tmp_path / "items.jsonl").read_text().count("\n") == 1
     assert (tmp_path / "trace.png").stat().st_size > 1000
+
+
+def test_results_are_written_before_the_plot(text_file, tmp_path, chat_model_dir, monkeypatch):
+    """A plot that fails (e.g. matplotlib broken) loses nothing: JSON and markdown are on disk first."""
+    import confkv.eval.plots
+
+    def broken_plot(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(confkv.eval.plots, "frontier_plot", broken_plot)
+    out = tmp_path / "ppl.json"
+    argv = ["eval", "ppl", "--model", str(chat_model_dir), "--text-file", str(text_file), "--tokens", "20"]
+    with pytest.raises(ModuleNotFoundError):
+        main([*argv, "--policies", "full", "--json", str(out), "--no-progress"])
+    assert json.loads(out.read_text())["results"]["full"]["ppl"] > 0
+    assert out.with_suffix(".md").is_file() and not out.with_suffix(".png").exists()

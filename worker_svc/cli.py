@@ -1,4 +1,8 @@
-"""``confkv worker``: host a model and many sessions' Conf-KV caches behind the gRPC Worker API."""
+"""``confkv worker``: host a model and many sessions' Conf-KV caches behind the gRPC Worker API.
+
+The worker's own command module (registered in ``confkv_serve.commands``); it imports only the
+core library and this service, never the scheduler.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
-from confkv.cli.common import add_model_arg, positive_int
-from confkv.cli.main import UsageError
+from confkv.cli.common import UsageError, add_model_arg, positive_int
 
 
 def add_parser(sub) -> None:
@@ -33,7 +36,20 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight turns get on shutdown")
     p.add_argument("--log-format", choices=["json", "text"], default="json")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, extras=worker_extras)
+
+
+def needs_triton(device: str) -> bool:
+    """True when the model will run on CUDA, where attention takes the Triton path."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def worker_extras(args) -> tuple[str, ...]:
+    return ("serve", "gpu") if needs_triton(args.device) else ("serve",)
 
 
 def run(args) -> int:

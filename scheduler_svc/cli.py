@@ -1,4 +1,8 @@
-"""``confkv scheduler``: the client-facing gRPC Scheduler in front of running workers."""
+"""``confkv scheduler``: the client-facing gRPC Scheduler in front of running workers.
+
+The scheduler's own command module (registered in ``confkv_serve.commands``); its flag helpers
+are reused by ``confkv serve``, which sits above both services. It never imports the worker.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,7 @@ import os
 import signal
 import threading
 
-from confkv.cli.common import positive_int
-from confkv.cli.main import UsageError
+from confkv.cli.common import UsageError, positive_int
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, port: int = 50051) -> None:
@@ -42,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", required=True, help="comma-separated worker addresses host:port,...")
     p.add_argument("--worker-ca", help="CA certificate to verify workers' TLS (default: plaintext)")
     add_scheduler_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, extras=("serve",))
 
 
 def scheduler_config(args):

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from confkv.cli.main import main
 from confkv.plan import (
     ACCELERATORS,
     MODEL_PRESETS,
@@ -18,6 +17,7 @@ from confkv.plan import (
     session_bytes,
 )
 from confkv.policies import parse_policy
+from confkv_serve.commands import main
 
 SPEC = "confkv:n_high=512,n_low=256,int8=1,w=128"
 

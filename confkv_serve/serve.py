@@ -1,7 +1,9 @@
 """``confkv serve``: scheduler + one in-process worker: the embedded default deployment.
 
 Sessions live in memory unless ``--redis URL``. ``--demo`` starts everything, runs a two-turn
-chat through the scheduler, prints it with the session's KV footprint, and exits."""
+chat through the scheduler, prints it with the session's KV footprint, and exits.
+
+It starts both services, so it lives above both (``confkv_serve``), never inside either."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import os
 import sys
 
 from confkv.cli.common import add_model_arg
-from confkv.cli.scheduler import add_scheduler_args, scheduler_config, tls_pair, wait_for_signal
+from scheduler_svc.cli import add_scheduler_args, scheduler_config, tls_pair, wait_for_signal
 
 DEMO_TURNS = ("What is the capital of France? Answer in one sentence.", "Name a famous museum there.")
 
@@ -21,11 +23,17 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-pool-bytes", default="256MiB", help="the worker's KV pool, e.g. 256MiB, 2GB")
     p.add_argument("--demo", action="store_true", help="run a two-turn chat through the scheduler and exit")
     add_scheduler_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, extras=serve_extras)
+
+
+def serve_extras(args) -> tuple[str, ...]:
+    from worker_svc.cli import needs_triton
+
+    return ("serve", "gpu") if needs_triton("auto") else ("serve",)
 
 
 def run_demo(address: str, token: str | None, policy: str, max_new_tokens: int, out=sys.stdout) -> int:
-    from confkv.cli.chat import stream_turn
+    from confkv_serve.chat import stream_turn
     from scheduler_svc.client import SchedulerClient
 
     client = SchedulerClient(address, token)

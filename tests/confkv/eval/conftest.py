@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from confkv.attention import enable
-from tests.conftest import tiny_llama
+from tests.helpers import tiny_llama
 
 
 def eval_llama(vocab: int = 128, layers: int = 2, seed: int = 0):

@@ -1,4 +1,4 @@
-"""``confkv chat``: a small client that streams turns from a running scheduler."""
+"""``confkv chat``: a small client that streams turns from a running scheduler (used by ``serve --demo``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=0, help="0 = the scheduler's default")
     p.add_argument("--auth-token-env", default="CONFKV_AUTH_TOKEN", help="env var holding the bearer token")
     p.add_argument("--ca", help="CA certificate to verify the scheduler's TLS (default: plaintext)")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, extras=("serve",))
 
 
 def stream_turn(client, session_id: str, text: str, max_new_tokens: int, out=sys.stdout, err=sys.stderr):

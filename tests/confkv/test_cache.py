@@ -10,24 +10,7 @@ from confkv.decode import decode_one_token, generate, prefill, sample, teacher_f
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.processor import ConfidenceProcessor
-from tests.conftest import tiny_llama
-
-
-def banded_mask(t: int, n: int, sinks: int = 0) -> torch.Tensor:
-    """Additive (1, 1, T, T) mask: token i sees j in (i-n+sinks, i] and the first ``sinks`` tokens."""
-    i, j = torch.arange(t)[:, None], torch.arange(t)[None]
-    ok = (j <= i) & ((j > i - n + sinks) | (j < sinks))
-    return torch.zeros(t, t).masked_fill(~ok, float("-inf"))[None, None]
-
-
-def reference_logits(model, ids, mask=None):
-    impl = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            return model(ids, attention_mask=mask).logits
-    finally:
-        model.set_attn_implementation(impl)
+from tests.helpers import banded_mask, reference_logits, tiny_llama
 
 
 def test_full_reproduces_model_logits(tiny_model, token_ids):

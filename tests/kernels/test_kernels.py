@@ -27,7 +27,7 @@ from confkv_kernels import decode_attention as dispatched_decode  # noqa: E402
 from confkv_kernels.triton_decode import decode_attention as decode_with_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # (out atol, out rtol, mass atol, mass rtol): fp16 output is rounded to fp16 and P.V uses fp16 P.
 TOL = {torch.float32: (2e-5, 1e-4, 2e-6, 1e-4), torch.float16: (3e-3, 5e-3, 2e-4, 2e-3),
        torch.bfloat16: (3e-2, 3e-2, 2e-3, 2e-2)}

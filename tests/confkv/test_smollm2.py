@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from confkv.cache import ConfKVCache
+from confkv.data import sample_text
 from confkv.decode import generate, teacher_forced_logits
-from tests.test_cache import banded_mask, reference_logits
+from tests.helpers import banded_mask, reference_logits
 
 pytestmark = pytest.mark.smollm2
-CORPUS = "../shared/data/corpus/austen_persuasion.txt"
+CORPUS = sample_text("persuasion")
 
 
 @pytest.fixture(scope="module")
