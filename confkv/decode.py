@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from confkv.cache import ConfKVCache
-from confkv.recall import SUMMARY_SHARE
+from confkv.recall import SUMMARY_SHARE, RecallMode
 
 
 @dataclass
@@ -37,18 +37,9 @@ def prefill_chunk_size(cache: ConfKVCache, requested: int) -> int:
     return max(1, size)
 
 
-def chunk_bounds(total: int, step: int, last_at_least: int) -> list[tuple[int, int]]:
-    """[start, end) chunks of at most ``step`` tokens; the last one holds at least
-    ``last_at_least`` tokens where the prompt allows (the recall observation window)."""
-    bounds = [(s, min(s + step, total)) for s in range(0, total, step)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < last_at_least:
-        cut = max(bounds[-2][0] + 1, total - min(last_at_least, step))
-        bounds[-2:] = [(bounds[-2][0], cut), (cut, total)]
-    return bounds
-
-
 def observation_window(cache: ConfKVCache) -> int:
-    return max((s.policy.obs for s in cache.seqs if s.policy.recall), default=1)
+    """Prompt-end probe length: the largest ``obs`` among the recall sequences (0: none)."""
+    return max((s.policy.obs for s in cache.seqs if s.policy.recall), default=0)
 
 
 @torch.no_grad()
@@ -72,13 +63,40 @@ def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int 
         raise ValueError("empty prompt: at least one token is needed")
     step = prefill_chunk_size(cache, chunk_size)
     logits = None
-    bounds = chunk_bounds(input_ids.shape[1], step, observation_window(cache))
-    for i, (start, end) in enumerate(bounds):
-        for seq in cache.seqs:
-            seq.arm_prompt_recall(final_chunk=i == len(bounds) - 1)
-        logits = forward(model, cache, input_ids[:, start:end])[:, -1]
+    total = input_ids.shape[1]
+    for start in range(0, total, step):
+        chunk = input_ids[:, start : start + step]
+        feed = prompt_end_forward if start + step >= total else forward
+        logits = feed(model, cache, chunk)[:, -1]
     cache.observe_logits(logits)
     return logits
+
+
+@torch.no_grad()
+def prompt_end_forward(model, cache: ConfKVCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """The final chunk of a prompt (B, M). With recall, its last ``obs`` tokens first run as a
+    probe on the recall sequences: every layer's queries vote for cold pages (exact attention
+    mass relative to the hot set, summed over layers), the probe is rolled back, the best-voted
+    pages are swapped into every layer, and the tail runs for real. -> logits (B, 1, V)."""
+    probe = min(observation_window(cache), input_ids.shape[1])
+    if probe == 0:
+        return forward(model, cache, input_ids)
+    head, tail = input_ids[:, :-probe], input_ids[:, -probe:]
+    if head.shape[1]:
+        forward(model, cache, head)
+    rows = [b for b, s in enumerate(cache.seqs) if s.tier is not None and s.tier.cold_bytes() > 0]
+    if not rows:
+        return forward(model, cache, tail)
+    sub = ConfKVCache([cache.seqs[b] for b in rows])
+    starts = [s.seen_tokens for s in sub.seqs]
+    for seq in sub.seqs:
+        seq.arm(RecallMode.PROBE)
+    forward(model, sub, tail[rows])
+    for seq, start in zip(sub.seqs, starts, strict=True):
+        seq.arm(RecallMode.NONE)
+        seq.rollback(start)
+        seq.recall_voted()
+    return forward(model, cache, tail)
 
 
 @torch.no_grad()

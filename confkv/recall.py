@@ -1,17 +1,21 @@
 """Recall: when to read the cold tier, which pages to bring back, and how they enter the hot set.
 
-Triggers (the policy's ``recall_trigger``):
-  prompt end  always: the last ``obs`` queries of a prompt's final chunk (the question, as
-              SnapKV's observation window) score the cold pages in every layer before that
-              chunk attends; up to ``rtok`` tokens are *swapped* in (the lowest-scored hot
-              tokens go cold), so the hot set keeps its size.
+Triggers:
+  prompt end  always (``decode.prompt_end_forward``): the last ``obs`` tokens of a prompt (the
+              question; SnapKV's observation window) first run as a probe in which every layer
+              scores its cold tokens exactly (attention mass relative to the hot set, max per
+              page) and votes; votes are summed over layers (a small model's retrieval heads
+              sit in a few layers, so one layer's view is noisy), the probe is rolled back, the
+              best-voted pages are *swapped* into every layer (up to ``rtok`` tokens, the
+              lowest-scored hot tokens go cold), and the tail runs for real.
   gate        confkv: an unsure step (c < tau) gets the n_high budget and the room above the
-              hot set is *filled* with recalled pages; confident steps read nothing cold.
+              hot set is *filled* with the pages whose key bounds score best against the
+              step's query (Quest-style, ``confkv_kernels.page_scores``); confident steps read
+              nothing cold.
   random/every  the matched-rate controls: the same fill (gated policies) or swap (others) on
               steps drawn at ``rate`` / every ``every`` steps.
-Page choice: score = max over query heads and obs queries of scaling * ub(q, page) - lse(q),
-an upper bound of the log attention weight the page's best key would get relative to the
-current hot set (``confkv_kernels.page_scores``). Pages are taken best first while they fit.
+Bound score = max over query heads and queries of scaling * ub(q, page) - lse(q): an upper
+bound of the log attention weight the page's best key would get relative to the hot set.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class RecallMode(enum.Enum):
     NONE = "none"
     SWAP = "swap"  # keep the hot size: recalled tokens replace the lowest-scored ones
     FILL = "fill"  # fill the free room up to the budget (gated unsure steps)
+    PROBE = "probe"  # prompt end: score the cold tokens exactly, vote per page; change nothing
 
 
 @dataclass
@@ -81,6 +86,7 @@ class RecallTier:
         self.events: list[RecallEvent] = []
         self.recalled_tokens = 0
         self.trigger_steps = 0
+        self.votes: dict[int, float] = {}  # page id -> attention mass summed over layers (probe)
         slot = geometry.int8_token_bytes if policy.int8 else geometry.fp_token_bytes
         self.slot_bytes = slot
         floor = policy.n_low if isinstance(policy, GatedPolicy) else policy.budget_rule().peak
@@ -132,20 +138,54 @@ class RecallTier:
         cold.add(tokens)
         return cold.drop_to(self.max_pages[layer], self.max_cold_tokens)
 
+    def vote(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
+        """Prompt-end probe: exact attention mass the last ``obs`` queries of q (Hq, M, D) would
+        give each cold token (relative to the hot set), max per page, summed into ``votes``
+        across layers. Reads the cold keys (not values) once per prompt end."""
+        cold = self.cold[layer]
+        if cold.n_tokens == 0:
+            return
+        q_obs = q[:, -self.policy.obs :]
+        lse = hot_lse(store, q_obs, scaling)  # (Hq, M)
+        hq, m, d = q_obs.shape
+        hkv = cold.k8.shape[1]
+        pd = cold.payload_device
+        keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
+        qg = q_obs.float().to(pd).reshape(hkv, (hq // hkv) * m, d)
+        logits = torch.einsum("hqd,phsd->phqs", qg, keys) * scaling - lse.to(pd).reshape(1, hkv, -1, 1)
+        mass = logits.exp().sum(dim=(1, 2)).masked_fill(~cold.valid, 0.0).amax(1)  # (P,)
+        for pid, value in zip(cold.page_id.tolist(), mass.tolist(), strict=True):
+            if pid >= 0:
+                self.votes[pid] = self.votes.get(pid, 0.0) + value
+
+    def take_voted(self, layer: int, store: LayerStore, room: int):
+        """After a probe: the best-voted pages of ``layer`` that fit in ``room`` tokens."""
+        cold = self.cold[layer]
+        if room <= 0 or cold.n_tokens == 0 or not self.votes:
+            return None
+        missing = float("-inf")
+        scores = torch.tensor([self.votes.get(pid, missing) for pid in cold.page_id.tolist()])
+        return self._take(layer, store, choose_pages(scores.to(cold.device), cold.page_counts(), room))
+
     def take(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float, room: int):
-        """Score layer ``layer``'s cold pages with the obs queries of q (Hq, M, D) and take the
-        best ones that fit in ``room`` tokens -> tokens (INT8 layout, pinned) or None."""
+        """Score layer ``layer``'s cold pages by their key bounds against the obs queries of
+        q (Hq, M, D) and take the best ones that fit in ``room`` tokens -> tokens or None."""
         cold = self.cold[layer]
         if room <= 0 or cold.n_tokens == 0:
             return None
         q_obs = q[:, -self.policy.obs :]
         scores = cold.scores(q_obs, hot_lse(store, q_obs, scaling), scaling)
-        slots = choose_pages(scores, cold.page_counts(), room)
+        return self._take(layer, store, choose_pages(scores, cold.page_counts(), room))
+
+    def _take(self, layer: int, store: LayerStore, slots: torch.Tensor):
+        """Remove pages ``slots`` from the cold tier -> their tokens, pinned for ``hold``."""
+        cold = self.cold[layer]
+        device = store.fp.t["pos"].device
         if slots.numel() == 0:
             return None
         tokens = cold.take(slots)
         n = tokens["pos"].shape[0]
-        tokens["pin"] = torch.full((n,), store.next_pos + self.policy.hold, dtype=torch.long, device=q.device)
+        tokens["pin"] = torch.full((n,), store.next_pos + self.policy.hold, dtype=torch.long, device=device)
         self.recalled_tokens += n
         self.events.append(RecallEvent(store.next_pos, layer, self.mode.value, int(slots.numel()), n))
         return tokens

@@ -84,11 +84,6 @@ class SequenceCache:
         self.set_budget(budget)
         return self.budget
 
-    def arm_prompt_recall(self, final_chunk: bool) -> None:
-        """Before a prompt chunk: the final chunk of a prompt (new turn) recalls, others do not."""
-        if self.tier is not None:
-            self.tier.mode = RecallMode.SWAP if final_chunk else RecallMode.NONE
-
     # -- sizes -------------------------------------------------------------------------------------
     @property
     def seen_tokens(self) -> int:
@@ -193,23 +188,59 @@ class SequenceCache:
     def maybe_recall(self, layer: int, q: torch.Tensor, scaling: float) -> int:
         """Before ``layer`` attends with q (Hq, M, D): if this forward is armed, bring back the
         cold pages the queries point at (fill the free room, or swap up to ``rtok`` tokens with
-        the lowest-scored hot ones). The hot set never exceeds ``hot_budget``. Returns tokens."""
+        the lowest-scored hot ones), or only vote (prompt-end probe). Returns tokens recalled."""
         tier = self.tier
         if tier is None or tier.mode is RecallMode.NONE:
             return 0
         store = self.stores[layer]
+        if tier.mode is RecallMode.PROBE:
+            tier.vote(layer, q, store, scaling)
+            return 0
+        room = self._recall_room(layer)
+        return self._bring_back(layer, tier.take(layer, q, store, scaling, room))
+
+    def _recall_room(self, layer: int) -> int:
         budget = self.hot_budget(layer)
-        free = max(0, budget - len(store))
-        room = free
-        if tier.mode is RecallMode.SWAP:
-            movable = budget - self.policy.protected - self.policy.s - 1
-            room = max(free, min(tier.swap_tokens(budget), movable))
-        tokens = tier.take(layer, q, store, scaling, room)
-        if tokens is None:
+        free = max(0, budget - len(self.stores[layer]))
+        if self.tier is None or self.tier.mode is RecallMode.FILL:
+            return free
+        movable = budget - self.policy.protected - self.policy.s - 1
+        return max(free, min(self.tier.swap_tokens(budget), movable))
+
+    def _bring_back(self, layer: int, tokens: dict[str, torch.Tensor] | None) -> int:
+        """Insert recalled tokens, first evicting (to cold) what they displace: the hot set
+        never exceeds ``hot_budget``."""
+        if not tokens:
             return 0
         n = tokens["pos"].shape[0]
         self._fit(layer, incoming=n)
-        store.insert_int8(tokens)
+        self.stores[layer].insert_int8(tokens)
         self.stats.recalled_tokens += n
         self._refresh_bytes(layer)
+        return n
+
+    # -- prompt end: probe, roll back, recall by votes --------------------------------------------------
+    def arm(self, mode: RecallMode) -> None:
+        if self.tier is not None:
+            self.tier.mode = mode
+
+    def rollback(self, start: int) -> None:
+        """Forget the tokens at positions >= ``start`` (the probe) in every layer."""
+        for layer, store in enumerate(self.stores):
+            store.keep(store.meta("pos") < start)
+            store.next_pos = start
+            self._refresh_bytes(layer)
+
+    def recall_voted(self) -> int:
+        """Swap the best-voted pages into every layer (votes summed over layers), then clear."""
+        tier = self.tier
+        if tier is None:
+            return 0
+        tier.mode = RecallMode.SWAP
+        n = sum(
+            self._bring_back(layer, tier.take_voted(layer, self.stores[layer], self._recall_room(layer)))
+            for layer in range(len(self.stores))
+        )
+        tier.votes.clear()
+        tier.mode = RecallMode.NONE
         return n

@@ -113,4 +113,3 @@ def add_parser(sub) -> None:
             q.add_argument("--seed", type=positive_int, default=0)
             q.add_argument("--save-items", type=Path, help="also write the generated items as JSONL")
         q.set_defaults(run=getattr(eval_commands, f"run_{name}"), extras=plot_extras)
-

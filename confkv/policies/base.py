@@ -29,15 +29,16 @@ class CachePolicy:
     slack: when eviction has to run, evict this many extra tokens so it runs about every
     ``slack`` steps instead of every step (a speed knob; the mean cache shrinks by ~slack/2).
 
-    Recall tier (``recall=1``, storage like ``int8``, orthogonal to ranking; see confkv/recall.py):
-    evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped, and
-    come back when a trigger asks: at the end of every prompt / new turn (the last ``obs``
-    queries score the cold pages, up to ``rtok`` tokens are swapped in; 0 = a quarter of the
-    layer budget), and on decode steps by ``trigger``: ``gate`` (confkv: an unsure step fills
-    the n_high - n_low room with recalled pages), ``random`` (steps drawn at ``rate``),
-    ``every`` (every ``every`` steps) or ``prompt`` (prompt ends only). Recalled tokens are
-    pinned for ``hold`` positions. ``cold_bytes`` bounds the cold tier per sequence (the least
-    attended pages are dropped and counted); page summaries count as hot bytes.
+    Recall tier (``recall=1``, storage like ``int8``, orthogonal to ranking; confkv/recall.py):
+    evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped. At the
+    end of every prompt / new turn the last ``obs`` prompt tokens probe the cold tokens in every
+    layer and the pages with the most attention mass (summed over layers), up to ``rtok`` tokens
+    (0: a quarter of the layer budget), are swapped in. On decode steps ``trigger`` decides:
+    ``gate`` (confkv: an unsure step fills the n_high - n_low room with the pages whose key
+    bounds score best), ``random`` (steps drawn at ``rate``), ``every`` (every ``every`` steps)
+    or ``prompt`` (prompt ends only). Recalled tokens are pinned for ``hold`` positions.
+    ``cold_bytes`` bounds the cold tier per sequence (the least attended pages are dropped and
+    counted); page summaries count as hot bytes.
     """
 
     name: ClassVar[str] = "base"
@@ -56,7 +57,7 @@ class CachePolicy:
     recall: bool = False
     page: int = 32
     rtok: int = 0
-    obs: int = 32
+    obs: int = 2
     hold: int = 16
     trigger: str | None = None  # gate | prompt | random | every
     rate: float = 0.0

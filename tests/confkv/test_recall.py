@@ -1,0 +1,229 @@
+"""Recall tier: exact round trips, hot budget never exceeded, conservation of tokens, and
+``recall=0`` bit-for-bit equal to the cache before the tier existed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from confkv_kernels.reference import decode_attention_ref, quantize_int8_ref
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from confkv.attention import enable
+from confkv.cache import ConfKVCache
+from confkv.cold import ColdStore
+from confkv.decode import teacher_forced_logits
+from confkv.memory import KVGeometry
+from confkv.policies import parse_policy
+from confkv.storage import LayerStore
+
+GEOM = KVGeometry(n_layers=1, n_kv_heads=2, head_dim=16, dtype_bytes=4)
+RECALL_SPECS = [
+    "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8",
+    "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=8,trigger=random,rate=0.3",
+    "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=16,trigger=every,every=5,pyramid=1",
+    "h2o:n=64,recall=1,page=8",
+    "sinks:s=4,n=64,int8=1,w=16,recall=1,page=8,rtok=16,cold_bytes=20000",
+    "window:n=64,recall=1,page=4,trigger=every,every=3",
+    "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8",
+]
+
+
+def _int8_tokens(n: int, start: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k8, ks = quantize_int8_ref(torch.randn(2, n, 16, generator=g))
+    v8, vs = quantize_int8_ref(torch.randn(2, n, 16, generator=g))
+    pos = torch.arange(start, start + n)
+    return {
+        "k": k8,
+        "v": v8,
+        "ks": ks,
+        "vs": vs,
+        "pos": pos,
+        "ema": torch.rand(n, generator=g),
+        "cum": torch.rand(n, generator=g),
+    }
+
+
+def test_cold_round_trip_is_exact():
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    tokens = _int8_tokens(37, start=5)
+    perm = torch.randperm(37, generator=torch.Generator().manual_seed(3))
+    first, second = perm[:20], perm[20:]
+    for part in (first, second):  # evicted in two batches, out of order
+        cold.add({name: t.index_select(0 if t.dim() == 1 else 1, part) for name, t in tokens.items()})
+    assert cold.n_tokens == 37 and cold.nbytes() == 37 * GEOM.int8_token_bytes
+    back = cold.take(torch.tensor(sorted(cold.slot_of.values())))
+    order = back["pos"].argsort()
+    assert torch.equal(back["pos"][order], tokens["pos"])
+    for name in ("k", "v"):
+        assert torch.equal(back[name][:, order], tokens[name])
+    for name in ("ks", "vs"):
+        assert torch.equal(back[name][:, order], tokens[name])
+    for name in ("ema", "cum"):
+        assert torch.equal(back[name][order], tokens[name])
+    assert cold.n_tokens == 0 and cold.n_pages == 0 and cold.summary_bytes() == 0
+
+
+def test_attention_over_recalled_cache_equals_never_evicted():
+    """INT8 tokens evicted and recalled attend exactly like tokens that never left."""
+    store = LayerStore(2, 16, torch.float32, "cpu", int8=True, window=4)
+    g = torch.Generator().manual_seed(0)
+    store.append(torch.randn(2, 40, 16, generator=g), torch.randn(2, 40, 16, generator=g))
+    store.demote_old()  # 36 INT8 + 4 FP
+
+    def attend(s):
+        q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(9))
+        k8, k8s, v8, v8s, kf, vf = s.kv_views()
+        off8 = torch.tensor([0, k8.shape[1]], dtype=torch.int32)
+        offf = torch.tensor([0, kf.shape[1]], dtype=torch.int32)
+        return decode_attention_ref(q, k8, k8s, v8, v8s, kf, vf, off8, offf, 0.25)[0]
+
+    before = attend(store)
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    evict = torch.zeros(len(store), dtype=torch.bool)
+    evict[torch.tensor([1, 2, 3, 9, 10, 17, 30, 31])] = True
+    cold.add(store.take_int8(evict))
+    store.keep(~evict)
+    assert len(store) == 32
+    back = cold.take(torch.tensor(sorted(cold.slot_of.values())))
+    back["pin"] = torch.zeros(back["pos"].shape[0], dtype=torch.long)
+    store.insert_int8(back)
+    assert torch.allclose(attend(store), before, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batches=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=5),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 10_000),
+)
+def test_merged_page_bounds_cover_every_cold_key(batches, scale, seed):
+    """Bounds widened batch by batch still hold every key: scores upper-bound the true max q.k."""
+    g = torch.Generator().manual_seed(seed)
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    positions = torch.randperm(64, generator=g)
+    used = 0
+    for n in batches:
+        part = positions[used : used + n]
+        used += n
+        k8, ks = quantize_int8_ref(torch.randn(2, n, 16, generator=g) * scale)
+        z = torch.zeros(n)
+        cold.add({"k": k8, "v": k8, "ks": ks, "vs": ks, "pos": part, "ema": z, "cum": z})
+    q = torch.randn(4, 3, 16, generator=g)
+    scores = cold.scores(q, torch.zeros(4, 3), 1.0)
+    keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
+    for slot in cold.slot_of.values():
+        valid = cold.valid[slot]
+        k = keys[slot][:, valid]  # (Hkv, n, D)
+        true = torch.einsum("hmd,hnd->hmn", q.reshape(2, 6, 16), k).max()
+        assert scores[slot] >= true - 1e-4 * (1 + true.abs())
+
+
+@pytest.mark.parametrize("spec", RECALL_SPECS)
+def test_hot_bytes_within_budget_and_tokens_conserved(tiny_model, token_ids, spec):
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    seq = cache.seqs[0]
+    bound = seq.policy.peak_bytes_bound(seq.geometry)
+    peaks = []
+    original = seq._refresh_bytes
+
+    def spy(layer):
+        original(layer)
+        peaks.append(seq.nbytes())
+
+    seq._refresh_bytes = spy
+    teacher_forced_logits(tiny_model, cache, token_ids[:, :240], prefix=150)
+    assert max(peaks) <= bound and seq.stats.peak_bytes <= bound
+    peak_budgets = seq.policy.layer_budgets(seq.rule.peak, seq.geometry.n_layers)
+    for layer, (store, cold) in enumerate(zip(seq.stores, seq.tier.cold, strict=True)):
+        assert len(store) <= peak_budgets[layer]
+        # every token seen is hot, cold, or dropped by the bounded cold tier (and counted)
+        assert len(store) + cold.n_tokens + cold.dropped_tokens == seq.seen_tokens
+        assert cold.nbytes() == sum(
+            t[cold.valid].nbytes for t in (cold.k8.transpose(1, 2), cold.v8.transpose(1, 2))
+        ) + sum(t[cold.valid].nbytes for t in (cold.ks.transpose(1, 2), cold.vs.transpose(1, 2)))
+        # hot bytes = stored hot tensors + live page summaries
+        assert seq.layer_bytes[layer] == store.nbytes() + cold.summary_bytes()
+    assert seq.stats.recalled_tokens > 0
+    if seq.policy.cold_bytes:
+        assert seq.stats.peak_cold_bytes <= seq.policy.cold_bytes
+
+
+def test_gated_recall_reads_cold_only_on_unsure_steps(tiny_model, token_ids):
+    """trigger=gate: recall events happen at the prompt end and on steps with c < tau only."""
+    cache = ConfKVCache.for_model(tiny_model, "confkv:n_high=64,n_low=40,p=8,s=2,recall=1,page=8,tau=0.02")
+    seq = cache.seqs[0]
+    fired = []
+    decide = seq.tier.decide
+
+    def spy(unsure):
+        fired.append((unsure, decide(unsure)))
+        return fired[-1][1]
+
+    seq.tier.decide = spy
+    teacher_forced_logits(tiny_model, cache, token_ids[:, :160], prefix=80)
+    assert fired and all(f == u for u, f in fired)
+
+
+def test_recall_spec_validation():
+    bad_specs = (
+        "full:recall=1",
+        "h2o:recall=1,trigger=gate",
+        "confkv:recall=1,trigger=random",
+        "confkv:recall=1,trigger=every",
+        "confkv:recall=1,page=0",
+        "confkv:recall=1,cold_bytes=-1",
+    )
+    for bad in bad_specs:
+        with pytest.raises(ValueError):
+            parse_policy(bad)
+    assert parse_policy("confkv:int8=1,recall=1").recall_trigger == "gate"
+    assert parse_policy("h2o:recall=1").recall_trigger == "prompt"
+
+
+# Kept positions, greedy tokens and peak bytes of a teacher-forced run on the tiny Llama,
+# produced by the cache before the recall tier existed (commit e2d42bd): recall=0 is unchanged.
+SEED_FINGERPRINTS = {
+    "window:n=48": "e2550ed1264f5e88",
+    "sinks:s=4,n=48": "6330ebc50fdbd7e8",
+    "h2o:n=48": "3b5a7bcb85e7fad7",
+    "h2o:n=48,int8=1,w=16": "2c306a0cf573b680",
+    "confkv:n_high=48,n_low=40,p=8,s=2": "6836e4ebb129c69e",
+    "confkv:n_high=48,n_low=40,p=8,s=2,int8=1,w=16,pyramid=1": "b7223742fb24949f",
+    "random:n_high=48,n_low=40,p=8,s=2": "47b36a7f3b0b6bf0",
+    "recency:n_high=48,n_low=40,p=8,s=2": "fd71fefb1ddf093f",
+    "attention:n_high=48,n_low=40,p=8,s=2,slack=4": "3f4bb481634b9da8",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_model():
+    """The exact tiny Llama the fingerprints were taken on (seed 0)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    enable(model)
+    return model
+
+
+@pytest.mark.parametrize("spec", sorted(SEED_FINGERPRINTS))
+def test_recall_off_is_bit_for_bit_the_seed_cache(tiny_llama_model, spec):
+    ids = torch.randint(0, 101, (1, 200), generator=torch.Generator().manual_seed(1))
+    cache = ConfKVCache.for_model(tiny_llama_model, spec)
+    logits = teacher_forced_logits(tiny_llama_model, cache, ids, prefix=64)
+    seq = cache.seqs[0]
+    fingerprint = {
+        "pos": [sorted(s.meta("pos").tolist()) for s in seq.stores],
+        "argmax": logits.argmax(-1).tolist(),
+        "peak": seq.stats.peak_bytes,
+    }
+    digest = hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest()[:16]
+    assert digest == SEED_FINGERPRINTS[spec]
