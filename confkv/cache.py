@@ -8,6 +8,7 @@ mixed INT8/FP storage and returns the attention mass that feeds the EMA.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -74,9 +75,13 @@ class ConfKVCache(Cache):
 
     @classmethod
     def for_model(
-        cls, model, policies: CachePolicy | str | list[CachePolicy | str], batch_size: int = 1, seed: int = 0
+        cls,
+        model,
+        policies: CachePolicy | str | Sequence[CachePolicy | str],
+        batch_size: int = 1,
+        seed: int = 0,
     ) -> ConfKVCache:
-        if not isinstance(policies, list):
+        if isinstance(policies, (str, CachePolicy)):
             policies = [policies] * batch_size
         param = next(model.parameters())
         geometry = KVGeometry.from_config(model.config, param.dtype)

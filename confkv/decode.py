@@ -62,7 +62,7 @@ def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int 
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: at least one token is needed")
     step = prefill_chunk_size(cache, chunk_size)
-    logits = None
+    logits = torch.empty(0)
     total = input_ids.shape[1]
     for start in range(0, total, step):
         chunk = input_ids[:, start : start + step]

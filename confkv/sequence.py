@@ -76,11 +76,11 @@ class SequenceCache:
         self._evicted_this_step = 0
         budget = self.rule(self.last_confidence)
         if self.tier is not None:
-            gated = isinstance(self.policy, GatedPolicy)
-            fire = self.tier.decide(unsure=gated and self.last_confidence < self.policy.tau)
+            pol = self.policy
+            fire = self.tier.decide(unsure=isinstance(pol, GatedPolicy) and self.last_confidence < pol.tau)
             self.stats.recall_steps += int(fire)
-            if gated and self.policy.recall_trigger in ("random", "every"):
-                budget = self.policy.n_high if fire else self.policy.n_low
+            if isinstance(pol, GatedPolicy) and pol.recall_trigger in ("random", "every"):
+                budget = pol.n_high if fire else pol.n_low
         self.set_budget(budget)
         return self.budget
 

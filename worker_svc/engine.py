@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from confkv.cache import ConfKVCache
-from confkv.decode import decode_one_token, forward, prefill_chunk_size, sample
+from confkv.decode import decode_one_token, forward, prefill_chunk_size, prompt_end_forward, sample
 from confkv.memory import KVGeometry
 from confkv.sequence import SequenceCache
 from worker_svc import admission
@@ -52,12 +52,12 @@ from worker_svc.types import (
 log = logging.getLogger("confkv.worker")
 
 
-
 def _seq(turn: Turn) -> SequenceCache:
     """The cache of a turn's session: created when the session was admitted, before any turn runs."""
     seq = turn.session.seq
     assert seq is not None, "a running turn's session holds a cache"
     return seq
+
 
 class Engine:
     def __init__(self, model, codec: ChatCodec, config: EngineConfig, on_step: Callable | None = None):
@@ -306,7 +306,8 @@ class Engine:
         size = prefill_chunk_size(cache, self.config.prefill_chunk)
         chunk, turn.pending = turn.pending[:size], turn.pending[size:]
         ids = torch.tensor([chunk], device=self.device)
-        logits = forward(self.model, cache, ids)[:, -1]  # (1, V)
+        feed = forward if turn.pending else prompt_end_forward  # the turn's end recalls (recall=1)
+        logits = feed(self.model, cache, ids)[:, -1]  # (1, V)
         turn.fed.extend(chunk)
         if not turn.pending:
             cache.observe_logits(logits)

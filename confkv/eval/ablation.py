@@ -58,7 +58,7 @@ def run_ablation(
     geometry = geometry_of(model)
     confkv = matched_policies([spec], geometry, match_bytes)[0].resolve(geometry)
     policies = ablation_policies(confkv)
-    cache = ConfKVCache.for_model(model, policies)  # type: ignore[arg-type]  # ConfKVCache.for_model should take a Sequence
+    cache = ConfKVCache.for_model(model, policies)
     replay = ScheduleReplay()
     run = teacher_forced_batch(model, cache, ids, on_step=replay, progress=progress, desc="ablation")
     results = {}

@@ -229,7 +229,7 @@ def _search(paragraphs, rng, tool_role) -> list:
         ("a walk in the garden", "a letter", "a ball", "a visit from a neighbour", "the weather")
     )
     hits = [{"rank": i + 1, "snippet": p} for i, p in enumerate(_passage(paragraphs, rng, rng.randint(1, 2)))]
-    first = hits[0]["snippet"].split(". ")[0]
+    first = str(hits[0]["snippet"]).split(". ")[0]
     return [
         _msg("user", f"Search the library for scenes about {query}."),
         _msg("assistant", _call("search_library", query=query, max_results=len(hits))),

@@ -71,6 +71,7 @@ class BatchRun:
     nll: torch.Tensor
     mean_bytes: list[float]
     peak_bytes: list[int]
+    mean_cold_bytes: list[float]
     seconds: float
     cache: ConfKVCache
     extra: dict = field(default_factory=dict)
@@ -97,6 +98,7 @@ def teacher_forced_batch(
     steps = ids.shape[0] - 1
     nll = torch.empty(rows, steps)
     byte_sum = [0.0] * rows
+    cold_sum = [0.0] * rows
     start = time.perf_counter()
     device = next(model.parameters()).device
     ids = ids.to(device)
@@ -107,21 +109,36 @@ def teacher_forced_batch(
         ).cpu()
         for b, seq in enumerate(cache.seqs):
             byte_sum[b] += seq.nbytes()
+            cold_sum[b] += seq.cold_nbytes()
         if on_step is not None:
             on_step(i, logits, cache)
         if partial is not None and partial_every and (i + 1) % partial_every == 0 and i + 1 < steps:
-            partial(_snapshot(nll, byte_sum, i + 1, start, cache))
+            partial(_snapshot(nll, byte_sum, cold_sum, i + 1, start, cache))
         if i + 1 < steps:
             logits = decode_one_token(model, cache, ids[i + 1].expand(rows))
-    return _snapshot(nll, byte_sum, steps, start, cache)
+    return _snapshot(nll, byte_sum, cold_sum, steps, start, cache)
 
 
-def _snapshot(nll: torch.Tensor, byte_sum: list[float], done: int, start: float, cache) -> BatchRun:
+def _snapshot(
+    nll: torch.Tensor, byte_sum: list[float], cold_sum: list[float], done: int, start: float, cache
+) -> BatchRun:
     """The run so far: NLL of the first ``done`` scored tokens (same as a shorter run's)."""
     return BatchRun(
         nll=nll[:, :done],
         mean_bytes=[s / done for s in byte_sum],
         peak_bytes=[seq.stats.peak_bytes for seq in cache.seqs],
+        mean_cold_bytes=[s / done for s in cold_sum],
         seconds=time.perf_counter() - start,
         cache=cache,
     )
+
+
+def recall_fields(seq, mean_cold_bytes: float) -> dict:
+    """Cold-tier figures of one sequence (all zero without ``recall=1``): bytes, recalls, drops."""
+    return {
+        "peak_cold_bytes": int(seq.stats.peak_cold_bytes),
+        "mean_cold_bytes": float(mean_cold_bytes),
+        "recalled_tokens": int(seq.stats.recalled_tokens),
+        "cold_dropped_tokens": int(seq.stats.cold_dropped_tokens),
+        "recall_steps": int(seq.stats.recall_steps),
+    }

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from confkv.cache import ConfKVCache
 from confkv.decode import decode_one_token, prefill, sample
-from confkv.eval.common import geometry_of, matched_policies
+from confkv.eval.common import geometry_of, matched_policies, recall_fields
 
 
 @torch.no_grad()
@@ -31,15 +31,17 @@ def run_memory(
     if new_tokens < 1:
         raise ValueError(f"memory: new_tokens must be >= 1, got {new_tokens}")
     policies = matched_policies(specs, geometry_of(model), match_bytes)
-    cache = ConfKVCache.for_model(model, policies)  # type: ignore[arg-type]  # ConfKVCache.for_model should take a Sequence
+    cache = ConfKVCache.for_model(model, policies)
     rows = len(policies)
     start = time.perf_counter()
     logits = prefill(model, cache, prompt.view(1, -1).expand(rows, -1), chunk_size)
     byte_sum = [0.0] * rows
+    cold_sum = [0.0] * rows
     for step in tqdm(range(new_tokens), desc="memory", disable=not progress, leave=False):
         tokens = sample(logits)
         for b, seq in enumerate(cache.seqs):
             byte_sum[b] += seq.nbytes()
+            cold_sum[b] += seq.cold_nbytes()
         if step + 1 < new_tokens:
             logits = decode_one_token(model, cache, tokens)
     seconds = time.perf_counter() - start
@@ -54,5 +56,6 @@ def run_memory(
             "resolved_policy": seq.policy.spec(),
             "tokens_seen": int(seq.seen_tokens),
             "batch_rows": rows,
+            **recall_fields(seq, cold_sum[b] / new_tokens),
         }
     return results

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from confkv.cache import ConfKVCache
-from confkv.eval.common import BatchRun, geometry_of, matched_policies, teacher_forced_batch
+from confkv.eval.common import BatchRun, geometry_of, matched_policies, recall_fields, teacher_forced_batch
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ def row_result(run: BatchRun, row: int) -> dict:
         "resolved_policy": seq.policy.spec(),
         "peak_tokens_per_layer": seq.policy.budget_rule().peak if seq.policy.evicts else None,
         "evicted_tokens": int(seq.stats.evicted_tokens),
+        **recall_fields(seq, run.mean_cold_bytes[row]),
     }
 
 
@@ -60,7 +61,7 @@ def run_ppl(
     """ids (T,) -> {spec: result}; ``seconds`` is the wall time of the whole batch (shared).
     ``checkpoint(results_so_far)`` runs every ``checkpoint_every`` tokens (long runs)."""
     policies = matched_policies(list(config.specs), geometry_of(model), config.match_bytes)
-    cache = ConfKVCache.for_model(model, policies)  # type: ignore[arg-type]  # ConfKVCache.for_model should take a Sequence
+    cache = ConfKVCache.for_model(model, policies)
     partial = (lambda run: checkpoint(_results(run, config.specs))) if checkpoint else None
     run = teacher_forced_batch(
         model, cache, ids, on_step, progress, "ppl", partial=partial, partial_every=checkpoint_every

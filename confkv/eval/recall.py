@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from confkv.cache import ConfKVCache
 from confkv.decode import decode_one_token, generate, prefill
-from confkv.eval.common import geometry_of, matched_policies
+from confkv.eval.common import geometry_of, matched_policies, recall_fields
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,14 @@ def _answer(model, tok, policy, ids, config: RecallConfig) -> dict:
     out = generate(model, cache, ids, config.max_new_tokens, eos, chunk_size=config.chunk_size, trace=True)
     text = tok.decode(out.tokens, skip_special_tokens=True)
     kv = [row["kv_bytes"] for row in out.trace] or [cache.nbytes()]
+    cold = [row["cold_bytes"] for row in out.trace] or [cache.seqs[0].cold_nbytes()]
     return {
         "text": text,
         "peak_kv_bytes": int(cache.seqs[0].stats.peak_bytes),
         "mean_kv_bytes": sum(kv) / len(kv),
         "seconds": time.perf_counter() - start,
         "resolved_policy": cache.seqs[0].policy.spec(),
+        **recall_fields(cache.seqs[0], sum(cold) / len(cold)),
     }
 
 
@@ -134,6 +136,9 @@ def run_recall(model, tok, items: list[dict], config: RecallConfig, progress: bo
             "seconds": sum(a["seconds"] for a in answers),
             "resolved_policy": answers[0]["resolved_policy"],
             "items": len(answers),
+            "peak_cold_bytes": max(a["peak_cold_bytes"] for a in answers),
+            "mean_cold_bytes": sum(a["mean_cold_bytes"] for a in answers) / len(answers),
+            "recalled_tokens": sum(a["recalled_tokens"] for a in answers),
         }
     return results, per_item
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from typing import Any
 
 from confkv.policies.attention import AttentionPolicy
 from confkv.policies.base import CachePolicy, GatedPolicy
@@ -64,7 +65,7 @@ def parse_policy(spec: str) -> CachePolicy:
     cls = POLICIES[name]
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}  # values converted to each field's annotated type above
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, eq, raw = item.partition("=")
         key = key.strip()

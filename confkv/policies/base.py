@@ -166,9 +166,11 @@ class CachePolicy:
         while self._peak_bytes_at(lo, geometry) is None and lo < 1 << 24:
             lo += max(1, lo // 8)
 
+        limit = self.bytes
+
         def fits(n: int) -> bool:
             bound = self._peak_bytes_at(n, geometry)
-            return bound is not None and bound <= self.bytes
+            return bound is not None and bound <= limit
 
         if not fits(lo):
             raise ValueError(f"{self.name}: bytes={self.bytes} cannot hold even {lo} tokens per layer")

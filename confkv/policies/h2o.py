@@ -26,13 +26,18 @@ class H2OPolicy(CachePolicy):
     def __post_init__(self) -> None:
         if self.recent is None:
             object.__setattr__(self, "recent", self.n // 2)
-        if not 0 <= self.recent < self.n:
+        if not 0 <= self.recent_tokens < self.n:
             raise ValueError(f"h2o: need 0 <= recent < n, got recent={self.recent}, n={self.n}")
         super().__post_init__()
 
     @property
+    def recent_tokens(self) -> int:
+        """``recent`` once resolved (``__post_init__`` fills the n/2 default)."""
+        return self.n // 2 if self.recent is None else self.recent
+
+    @property
     def protected(self) -> int:
-        return max(self.p, self.recent)
+        return max(self.p, self.recent_tokens)
 
     def budget_rule(self) -> FixedBudget:
         return FixedBudget(self.n)
