@@ -227,3 +227,15 @@ def test_recall_off_is_bit_for_bit_the_seed_cache(tiny_llama_model, spec):
     }
     digest = hashlib.sha256(json.dumps(fingerprint).encode()).hexdigest()[:16]
     assert digest == SEED_FINGERPRINTS[spec]
+
+
+def test_generate_trace_shows_recall_events_and_cold_bytes(tiny_model, token_ids):
+    from confkv.decode import generate
+
+    cache = ConfKVCache.for_model(tiny_model, "h2o:n=48,recall=1,page=8,trigger=every,every=2")
+    out = generate(tiny_model, cache, token_ids[:, :120], max_new_tokens=6, trace=True)
+    events = [e for row in out.trace for e in row["recalls"]]
+    assert events and {"position", "layer", "mode", "pages", "tokens"} <= set(events[0])
+    assert out.trace[0]["recalls"][0]["mode"] == "swap"  # the prompt end
+    assert all(row["cold_bytes"] > 0 for row in out.trace)
+    assert sum(e["tokens"] for e in events) == cache.seqs[0].stats.recalled_tokens
