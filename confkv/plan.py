@@ -261,6 +261,7 @@ def make_plan(req: PlanRequest) -> dict:
         "session_bytes_worst": worst,
         "max_sessions_worst": pool // worst,
         "reduction_vs_full": full / worst,
+        "host_bytes_per_session": policy.worst_case_cold_bytes(geometry, req.total_tokens),
     }
     if req.trace is not None:
         out["trace"] = asdict(req.trace) | _trace_estimate(req, policy, geometry, pool)
@@ -296,6 +297,8 @@ def format_plan(plan: dict) -> str:
         (f"{plan['policy']}: max sessions (worst)", str(plan["max_sessions_worst"])),
         ("reduction vs full", f"{plan['reduction_vs_full']:.2f}x"),
     ]
+    if plan.get("host_bytes_per_session"):
+        rows.append(("host memory / session (cold tier, worst)", _size(plan["host_bytes_per_session"])))
     if "trace" in plan:
         t = plan["trace"]
         rows += [

@@ -150,6 +150,14 @@ class CachePolicy:
             return full
         return min(self.resolve(geometry).peak_bytes_bound(geometry), full)
 
+    def worst_case_cold_bytes(self, geometry: KVGeometry, context_tokens: int) -> int:
+        """Most cold-tier (host) bytes a session of ``context_tokens`` tokens can hold: every token
+        seen, in INT8, in every layer, capped by ``cold_bytes``; 0 without ``recall=1``."""
+        if not self.recall:
+            return 0
+        every_token = context_tokens * geometry.int8_token_bytes * geometry.n_layers
+        return every_token if self.cold_bytes is None else min(every_token, self.cold_bytes)
+
     def _peak_bytes_at(self, tokens: int, geometry: KVGeometry) -> int | None:
         """Peak bytes when scaled to ``tokens``; None when that budget cannot be split over the
         layers (a pyramid needs somewhat more than ``min_tokens`` per layer on average)."""

@@ -239,3 +239,23 @@ def test_generate_trace_shows_recall_events_and_cold_bytes(tiny_model, token_ids
     assert out.trace[0]["recalls"][0]["mode"] == "swap"  # the prompt end
     assert all(row["cold_bytes"] > 0 for row in out.trace)
     assert sum(e["tokens"] for e in events) == cache.seqs[0].stats.recalled_tokens
+
+
+def test_worst_case_cold_bytes_and_plan_host_column():
+    from confkv.plan import PlanRequest, make_plan, resolve_model
+
+    geometry = KVGeometry(n_layers=30, n_kv_heads=3, head_dim=64, dtype_bytes=4)
+    assert parse_policy("confkv:int8=1").worst_case_cold_bytes(geometry, 4096) == 0
+    every = 4096 * geometry.int8_token_bytes * 30
+    assert parse_policy("confkv:int8=1,recall=1").worst_case_cold_bytes(geometry, 4096) == every
+    assert parse_policy("h2o:recall=1,cold_bytes=1e6").worst_case_cold_bytes(geometry, 4096) == 10**6
+    plan = make_plan(
+        PlanRequest(
+            model=resolve_model("qwen2.5-32b"),
+            memory_bytes=141 * 2**30,
+            policy=parse_policy("confkv:int8=1,recall=1"),
+            context_tokens=1000,
+            generated_tokens=24,
+        )
+    )
+    assert plan["host_bytes_per_session"] > plan["session_bytes_worst"] > 0
