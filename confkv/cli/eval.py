@@ -104,7 +104,10 @@ def add_parser(sub) -> None:
         q = evsub.add_parser(name, help=helptext)
         _common(q)
         q.add_argument(
-            "--policies", type=policies_arg, default="full,window:n=512,confkv", help="policy specs, comma-separated"
+            "--policies",
+            type=policies_arg,
+            default="full,window:n=512,confkv",
+            help="policy specs, comma-separated",
         )
         q.add_argument("--match-bytes", metavar="SPEC")
         q.add_argument("--max-new-tokens", type=positive_int, default=16)
