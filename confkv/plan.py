@@ -169,7 +169,8 @@ class TraceSummary:
     def load(cls, path: Path) -> TraceSummary:
         try:
             data = json.loads(Path(path).read_text())
-            budgets = [int(step["budget"]) for step in data["steps"]]
+            # null = unbounded (``full``); older traces hold a huge sentinel instead
+            budgets = [2**62 if step["budget"] is None else int(step["budget"]) for step in data["steps"]]
             kv = [int(step["kv_bytes"]) for step in data["steps"]]
             peak = int(data["peak_kv_bytes"])
         except FileNotFoundError:

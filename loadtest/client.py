@@ -37,6 +37,7 @@ class SchedulerClient:
         self.channel = grpc.insecure_channel(target)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.timeout_s = timeout_s
+        self.in_flight: set = set()  # streaming Chat calls not finished yet
 
     def create_session(self, policy: str, model: str = "", system: str = SYSTEM_PROMPT) -> str:
         messages = [self.wpb.ChatMessage(role="system", content=system)] if system else []
@@ -51,17 +52,33 @@ class SchedulerClient:
         )  # fmt: skip
         timer = TurnTimer()
         text, reason, kv, queued_s = "", 0, 0, 0.0
-        for event in self.stub.Chat(request, timeout=self.timeout_s, metadata=metadata()):
-            kind = event.WhichOneof("event")
-            if kind == "token":
-                timer.token()
-                kv = event.token.session_bytes
-            elif kind == "queued":
-                timer.queued = True
-            elif kind == "done":
-                text, reason, queued_s = event.done.text, event.done.reason, event.done.queued_seconds
-                kv = event.done.session.kv_bytes if event.done.HasField("session") else kv
+        call = self.stub.Chat(request, timeout=self.timeout_s, metadata=metadata())
+        self.in_flight.add(call)
+        try:
+            for event in call:
+                kind = event.WhichOneof("event")
+                if kind == "token":
+                    timer.token()
+                    kv = event.token.session_bytes
+                elif kind == "queued":
+                    timer.queued = True
+                elif kind == "done":
+                    text, reason, queued_s = event.done.text, event.done.reason, event.done.queued_seconds
+                    kv = event.done.session.kv_bytes if event.done.HasField("session") else kv
+        except BaseException:  # an error, or the load test stopping this user (GreenletExit)
+            call.cancel()  # the server stops generating for a client that is gone
+            raise
+        finally:
+            self.in_flight.discard(call)
         return TurnReply(text, timer.finish(), reason, kv, queued_s)
+
+    def cancel_in_flight(self) -> int:
+        """Cancel every turn still streaming; returns how many there were."""
+        calls = list(self.in_flight)
+        for call in calls:
+            call.cancel()
+        self.in_flight.clear()
+        return len(calls)
 
     def end_session(self, session_id: str) -> None:
         self.stub.EndSession(
@@ -72,4 +89,5 @@ class SchedulerClient:
         return self.stub.GetClusterStats(self.pb.ClusterStatsRequest(), timeout=30, metadata=metadata())
 
     def close(self) -> None:
+        self.cancel_in_flight()
         self.channel.close()

@@ -11,6 +11,10 @@ new one. Per RPC, locust's stats show ``CreateSession``, ``Chat`` (whole turn, r
 = tokens), ``Chat:ttft`` (time to first token) and ``Chat:itl`` (mean inter-token latency of
 the turn); failures carry the gRPC status code. ``--summary-json`` adds p50/p95 TTFT and ITL,
 aggregate tokens/s and failures per RPC.
+
+Honest accounting: a user that crashes (``user:<Exception>``, e.g. a missing ``--corpus``) and a
+turn still streaming when the run stops (``Chat:UNFINISHED``; it is cancelled, so the server stops
+generating it) are failures. The run exits 1 when anything failed or no turn completed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import grpc  # noqa: E402
+from gevent import GreenletExit  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
 
 from loadtest.client import SchedulerClient  # noqa: E402
@@ -38,6 +43,7 @@ _seeds = itertools.count()
 _turns: list[TurnMetrics] = []
 _failures: Counter[str] = Counter()
 _started = time.perf_counter()
+_last_summary: dict = {}
 
 
 @events.init_command_line_parser.add_listener
@@ -66,9 +72,27 @@ def _write_summary(environment, **_) -> None:
     options = environment.parsed_options
     summary = summarize(_turns, dict(_failures), time.perf_counter() - _started)
     summary |= {"policy": options.policy, "users": options.num_users, "host": environment.host}
+    _last_summary.clear()
+    _last_summary.update(summary)
     print("confkv load summary:", json.dumps(summary))
     if options.summary_json:
         Path(options.summary_json).write_text(json.dumps(summary, indent=1) + "\n")
+
+
+@events.quitting.add_listener
+def _exit_code(environment, **_) -> None:
+    """Non-zero when any user crashed, any turn failed or was left unfinished, or none completed."""
+    if _last_summary and (_last_summary["failed"] or not _last_summary["turns"]):
+        why = "failures" if _last_summary["failed"] else "no turn completed"
+        print(f"confkv load test FAILED: {why} ({json.dumps(_last_summary['failures'])})")
+        environment.process_exit_code = 1
+
+
+class TurnUnfinished(Exception):
+    """A turn still streaming when the run stopped (it is cancelled on the server)."""
+
+    def __str__(self) -> str:
+        return "UNFINISHED"
 
 
 class ConversationUser(User):
@@ -77,14 +101,25 @@ class ConversationUser(User):
     wait_time = between(0.5, 2.0)
     abstract = False
 
+    client: SchedulerClient | None = None
+
     def on_start(self) -> None:
         options = self.environment.parsed_options
-        self.client = SchedulerClient(self.host or "127.0.0.1:50051")
-        self.corpus = load_corpus(options.corpus) if options.corpus else load_corpus()
-        self.config = ConversationConfig(page_chars=options.page_chars, turns=options.turns)
+        try:
+            self.client = SchedulerClient(self.host or "127.0.0.1:50051")
+            self.corpus = load_corpus(options.corpus) if options.corpus else load_corpus()
+            self.config = ConversationConfig(page_chars=options.page_chars, turns=options.turns)
+        except Exception as error:
+            self._crashed(error)
+            raise
 
     def on_stop(self) -> None:
-        self.client.close()
+        if self.client is not None:
+            self.client.close()  # cancels a turn still streaming
+
+    def _crashed(self, error: Exception) -> None:
+        """A user that dies is a failure of the run, not a silent absence."""
+        self._fire("user", time.perf_counter(), error=error)
 
     def _fire(self, name: str, started: float, length: int = 0, error: Exception | None = None, ms=None):
         elapsed = ms if ms is not None else 1000 * (time.perf_counter() - started)
@@ -94,7 +129,11 @@ class ConversationUser(User):
         )  # fmt: skip
         if error is not None:
             code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
+            code = "UNFINISHED" if isinstance(error, TurnUnfinished) else code
             _failures[f"{name}:{code}"] += 1
+
+    def _unfinished(self, started: float) -> None:
+        self._fire("Chat", started, error=TurnUnfinished("the run stopped during this turn"))
 
     def _call(self, name: str, fn, *args):
         started = time.perf_counter()
@@ -103,12 +142,24 @@ class ConversationUser(User):
         except grpc.RpcError as err:
             self._fire(name, started, error=err)
             return None
+        except GreenletExit:  # the run is stopping this user mid-call (the client cancelled it)
+            if name == "Chat":
+                self._unfinished(started)
+            raise
         if name != "Chat":
             self._fire(name, started)
         return result
 
     @task
     def hold_conversation(self) -> None:
+        try:
+            self._conversation()
+        except Exception as error:  # a bug or bad data in a user: count it, then let locust log it
+            self._crashed(error)
+            raise
+
+    def _conversation(self) -> None:
+        assert self.client is not None
         options = self.environment.parsed_options
         session = self._call("CreateSession", self.client.create_session, options.policy, options.model)
         if session is None:

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 
-from confkv.cli.common import UsageError, positive_int
+from confkv.cli.common import UsageError, check_input_file, positive_int
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, port: int = 50051) -> None:
@@ -65,6 +65,8 @@ def scheduler_config(args):
 def tls_pair(args) -> tuple[str, str] | None:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        check_input_file(path, flag)  # before anything starts (serve loads the worker after this)
     return (args.tls_cert, args.tls_key) if args.tls_cert else None
 
 

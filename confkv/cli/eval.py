@@ -54,7 +54,9 @@ def add_parser(sub) -> None:
     q = evsub.add_parser("ppl", help="teacher-forced perplexity with per-step eviction, policies batched")
     _common(q)
     _text_args(q, 4096)
-    q.add_argument("--policies", type=policies_arg, default=policy_list(DEFAULT_PPL_POLICIES))
+    q.add_argument(
+        "--policies", type=policies_arg, default=DEFAULT_PPL_POLICIES, help="policy specs, comma-separated"
+    )
     q.add_argument(
         "--match-bytes", metavar="SPEC", help="scale every evicting policy to this spec's peak bytes"
     )
@@ -87,7 +89,10 @@ def add_parser(sub) -> None:
     _text_args(q, 256)
     q.add_argument("--new-tokens", type=positive_int, default=3840, help="tokens generated after the prompt")
     q.add_argument(
-        "--policies", type=policies_arg, default=policy_list("full,window:n=512,confkv,confkv:int8=1")
+        "--policies",
+        type=policies_arg,
+        default="full,window:n=512,confkv,confkv:int8=1",
+        help="policy specs, comma-separated",
     )
     q.add_argument("--match-bytes", metavar="SPEC")
     q.set_defaults(run=eval_commands.run_memory)
@@ -98,7 +103,12 @@ def add_parser(sub) -> None:
     ):
         q = evsub.add_parser(name, help=helptext)
         _common(q)
-        q.add_argument("--policies", type=policies_arg, default=policy_list("full,window:n=512,confkv"))
+        q.add_argument(
+            "--policies",
+            type=policies_arg,
+            default="full,window:n=512,confkv",
+            help="policy specs, comma-separated",
+        )
         q.add_argument("--match-bytes", metavar="SPEC")
         q.add_argument("--max-new-tokens", type=positive_int, default=16)
         q.add_argument("--chunk-size", type=positive_int, default=256, help="prefill chunk (tokens)")

@@ -9,7 +9,20 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from confkv.cli.common import UsageError, command_line
+from confkv.cli.common import UsageError, check_input_file, check_output_path, command_line
+
+# Every file an eval may write, by flag (checked before the model loads: a typo in a folder name must
+# not cost a whole evaluation).
+OUTPUT_FLAGS = ("json", "plot", "trace_plot", "save_items")
+
+
+def check_outputs(args) -> None:
+    for name in OUTPUT_FLAGS:
+        check_output_path(getattr(args, name, None), "--" + name.replace("_", "-"))
+    if args.json.suffix == ".md":
+        raise UsageError("--json must not end in .md (the markdown table is written next to it)")
+    if getattr(args, "plot", None) is None and "plot" in vars(args):
+        check_output_path(args.json.with_suffix(".png"), "--json (its plot)")
 
 
 def _setup(args):
@@ -19,8 +32,7 @@ def _setup(args):
     from confkv.eval.common import match_reference
     from confkv.models import load_model
 
-    if args.json.suffix == ".md":
-        raise UsageError("--json must not end in .md (the markdown table is written next to it)")
+    check_outputs(args)
     if getattr(args, "match_bytes", None):
         match_reference(args.match_bytes)
     if args.threads:
@@ -29,8 +41,8 @@ def _setup(args):
 
 
 def _check_file(path: Path, what: str) -> None:
-    if not path.is_file():
-        raise UsageError(f"{what} not found: {path}")
+    """Inputs first, then every output path: all before the model loads."""
+    check_input_file(path, what)
 
 
 def _payload(args, tokens, results: dict, **extra) -> dict:

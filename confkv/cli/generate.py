@@ -7,7 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from confkv.cli.common import UsageError, add_model_arg, positive_int
+from confkv.cli.common import UsageError, add_model_arg, check_output_path, temperature, token_count
+
+# Budgets at or above this are "no limit" sentinels (``full``): written as null, not 4611686018427387904.
+UNBOUNDED = 2**40
 
 
 def add_parser(sub) -> None:
@@ -15,10 +18,14 @@ def add_parser(sub) -> None:
     add_model_arg(p)
     p.add_argument("--policy", default="confkv", help="policy spec, e.g. confkv:n_high=512,n_low=256")
     p.add_argument("--prompt", required=True, help="user message (sent through the chat template)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=token_count, default=64, help="tokens to generate at most")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--trace", type=Path, help="write per-step confidence, budget, tokens and bytes per layer")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature, 0 = greedy")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        help="write per-step confidence, budget (null = unbounded), tokens and bytes per layer",
+    )
     p.set_defaults(run=run)
 
 
@@ -33,6 +40,7 @@ def run(args) -> int:
     if not args.prompt.strip():
         raise UsageError("empty prompt")
     policy = parse_policy(args.policy)
+    check_output_path(args.trace, "--trace")
     model, tok = load_model(args.model)
     if args.raw or tok.chat_template is None:
         ids = tok(args.prompt, return_tensors="pt").input_ids
@@ -77,9 +85,17 @@ def run(args) -> int:
                     "peak_kv_bytes": seq.stats.peak_bytes,
                     "seconds": seconds,
                     "text": tok.decode(result.tokens, skip_special_tokens=True),
-                    "steps": result.trace,
+                    "steps": [readable_step(step) for step in result.trace],
                 },
                 indent=1,
             )
         )
     return 0
+
+
+def readable_step(step: dict) -> dict:
+    """A trace step with sentinel budgets (``full`` keeps everything) written as null."""
+    budget = step.get("budget")
+    if isinstance(budget, int) and budget >= UNBOUNDED:
+        return {**step, "budget": None}
+    return step

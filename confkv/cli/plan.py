@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from confkv.cli.common import positive_int
+from confkv.cli.common import check_input_file, check_output_path, finite_float, positive_int
 
 
 def add_parser(sub) -> None:
@@ -20,12 +20,14 @@ def add_parser(sub) -> None:
         default="smollm2-135m",
         help="preset (smollm2-135m, llama-3-8b, mistral-7b, qwen2.5-7b, qwen2.5-32b) or an HF config.json",
     )
-    p.add_argument("--params", type=float, help="override the parameter count (e.g. 7.2e9)")
+    p.add_argument("--params", type=finite_float(0.0), help="override the parameter count (e.g. 7.2e9)")
     p.add_argument(
         "--memory", default="h100-80gb", help="accelerator: h200, h100-80gb, a100-80gb, a100-40gb, l4, "
         "cpu (this machine's RAM), or a size like 80GB / 24GiB (a bare number is GB)"
     )  # fmt: skip
-    p.add_argument("--utilization", type=float, default=0.9, help="share of memory for weights + KV")
+    p.add_argument(
+        "--utilization", type=finite_float(0.0), default=0.9, help="share of memory for weights + KV"
+    )
     p.add_argument("--weight-dtype", default="bf16", help="fp32, bf16/fp16, fp8/int8, int4")
     p.add_argument(
         "--kv-dtype", default="bf16", help="dtype of the FP part of the cache: fp32, bf16/fp16, fp8"
@@ -44,6 +46,8 @@ def run(args) -> int:
     from confkv.plan import PlanRequest, TraceSummary, format_plan, make_plan, parse_memory, resolve_model
     from confkv.policies import parse_policy
 
+    check_input_file(args.trace, "--trace")
+    check_output_path(args.json, "--json")
     model = resolve_model(args.model)
     if args.params is not None:
         if args.params <= 0:

@@ -32,8 +32,10 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
 
 
 def test_unknown_model_exits_2(tmp_path, capsys):
-    assert main(["generate", "--prompt", "hi", "--model", str(tmp_path / "missing-model")]) == 2
-    assert "cannot load model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt", "hi", "--model", str(tmp_path / "missing-model")])
+    assert exc.value.code == 2
+    assert "no local folder" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2():

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self):
         self.sessions: dict[str, str] = {}
         self.roles: list[str] = []
+        self.cancelled: list[str] = []
 
     def CreateSession(self, request, context):
         sid = f"s{len(self.sessions)}"
@@ -38,6 +40,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if request.session_id not in self.sessions:
             context.abort(grpc.StatusCode.NOT_FOUND, "unknown session")
         self.roles.append(request.role)
+        if self.sessions[request.session_id] == "slow":  # a turn that outlives the run
+            context.add_callback(lambda: self.cancelled.append(request.session_id))
+            for i in range(600):
+                time.sleep(0.1)
+                yield scheduler_pb2.ChatEvent(token=worker_pb2.TokenChunk(token_id=i, text="x", index=i))
         for i in range(3):
             yield scheduler_pb2.ChatEvent(token=worker_pb2.TokenChunk(token_id=i, text="x", index=i))
         done = worker_pb2.GenerationDone(
@@ -49,8 +56,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.EndSessionReply(ended=self.sessions.pop(request.session_id, None) is not None)
 
 
-def test_locust_headless_against_fake_scheduler(tmp_path):
-    fake = FakeScheduler()
+def run_locust(tmp_path, fake, seconds: int, *extra: str):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -58,15 +64,38 @@ def test_locust_headless_against_fake_scheduler(tmp_path):
     summary = tmp_path / "summary.json"
     try:
         cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-               "--host", f"127.0.0.1:{port}", "-u", "2", "-r", "2", "-t", "6s", "--only-summary",
-               "--turns", "3", "--page-chars", "200", "--summary-json", str(summary)]  # fmt: skip
+               "--host", f"127.0.0.1:{port}", "-u", "2", "-r", "2", "-t", f"{seconds}s", "--only-summary",
+               "--turns", "3", "--page-chars", "200", "--summary-json", str(summary), *extra]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        time.sleep(0.5)  # let the server notice cancelled streams
     finally:
         server.stop(0)
+    return done, json.loads(summary.read_text())
+
+
+def test_locust_headless_against_fake_scheduler(tmp_path):
+    fake = FakeScheduler()
+    done, result = run_locust(tmp_path, fake, 6)
     assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(summary.read_text())
     assert result["turns"] >= 3 and result["tokens"] == 3 * result["turns"]
     assert result["failed"] == 0 and result["ttft_ms_p50"] is not None and result["itl_ms_p50"] is not None
     assert {"user", "tool"} <= set(fake.roles)
     for name in ("CreateSession", "Chat", "Chat:ttft", "Chat:itl"):
         assert name in done.stderr + done.stdout
+
+
+def test_a_crashing_user_fails_the_run(tmp_path):
+    """Users that die in on_start (no corpus) are failures, and a run with no turn exits non-zero."""
+    done, result = run_locust(tmp_path, FakeScheduler(), 3, "--corpus", str(tmp_path / "no-such-corpus"))
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert result["turns"] == 0
+    assert result["failures"].get("user:FileNotFoundError") == 2 and result["failed"] == 2
+
+
+def test_unfinished_turns_fail_and_are_cancelled(tmp_path):
+    """A turn still streaming when the run stops counts as a failure and is cancelled on the server."""
+    fake = FakeScheduler()
+    done, result = run_locust(tmp_path, fake, 3, "--policy", "slow")
+    assert done.returncode != 0
+    assert result["turns"] == 0 and result["failures"].get("Chat:UNFINISHED") == 2
+    assert len(fake.cancelled) == 2, fake.cancelled
