@@ -209,8 +209,8 @@ def save_tiny_model(folder: Path) -> Path:
 class Proc:
     """A ``confkv`` subprocess with its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.args, self.log = args, log
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args, self.log, self.env = args, log, env or {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Proc:
@@ -220,6 +220,7 @@ class Proc:
             "CONFKV_WORKER_TOKEN": WORKER_TOKEN,
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            **self.env,
         }
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
