@@ -379,7 +379,8 @@ def test_limits_are_one_contract_and_oversize_is_refused_early(env):
     c.turn(sid, "still serving", max_new_tokens=3)
     c.end_session(sid)
     row = {"acknowledged": 1, "lost": 0, "duplicated": 0, "failed_but_recorded": 0}
-    ROWS.append({"fault": "oversize message / transcript, full policy on a small pool", **row, "note": "refused early"})
+    fault = "oversize message / transcript, full policy on a small pool"
+    ROWS.append({"fault": fault, **row, "note": "refused before any work"})
 
 
 # --- worker SIGSTOP (hang) and SIGKILL; 5: reconcile after the blip -----------------------------------
