@@ -265,3 +265,20 @@ def test_servers_keep_serving_after_the_fuzz(servers):
     assert (
         stub.GetClusterStats(pb.ClusterStatsRequest(), metadata=servers["client"].metadata).workers[0].healthy
     )
+
+
+def test_sessions_command_is_scoped_to_the_caller(servers, monkeypatch, capsys):
+    from confkv_serve.commands import main
+
+    address = servers["scheduler"].address
+    mine = servers["client"].create_session("window:n=32").session_id
+    monkeypatch.setenv("CONFKV_AUTH_TOKEN", CLIENT)
+    assert main(["sessions", "list", "--address", address, "--json"]) == 0
+    assert mine in capsys.readouterr().out
+    assert main(["sessions", "show", mine, "--address", address]) == 0
+    assert main(["sessions", "delete", mine, "--address", address]) == 0
+    assert main(["sessions", "show", mine, "--address", address]) == 2  # gone: one line, exit 2
+    assert "not_found" in capsys.readouterr().err
+    assert main(["sessions", "show", "--address", address]) == 2  # usage error
+    monkeypatch.setenv("CONFKV_AUTH_TOKEN", "someone-else")
+    assert main(["sessions", "list", "--address", address]) == 1  # unauthenticated
