@@ -137,6 +137,12 @@ class Scheduler:
     ) -> SessionRecord:
         model = model.strip() or self.cluster.default_model()
         policy = policy.strip() or self.config.default_policy
+        messages = messages or []
+        try:
+            limits.check_message_count(len(messages))
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        transcript = [self._check_message(m, what="transcript message") for m in messages]
         need = self.cluster.reservation(model, policy)  # validates the policy and the model
         largest = self.cluster.placer_capacity(model)
         if need > largest:
@@ -145,12 +151,6 @@ class Scheduler:
                 f"({largest} bytes), so it could never run: choose a bounded policy (e.g. window:n=512 "
                 "or bytes=...), or give the workers a larger --kv-pool-bytes"
             )
-        messages = messages or []
-        try:
-            limits.check_message_count(len(messages))
-        except ValueError as err:
-            raise InvalidArgument(str(err)) from None
-        transcript = [self._check_message(m, what="transcript message") for m in messages]
         self._check_fits(model, transcript, None)
         now = self.clock()
         record = SessionRecord(
