@@ -25,6 +25,7 @@ COMMAND_MODULES: dict[str, str] = {
     "scheduler": "scheduler_svc.cli",
     "serve": "confkv_serve.serve",
     "chat": "confkv_serve.chat",
+    "sessions": "confkv_serve.sessions",
 }
 COMMANDS = list(COMMAND_MODULES)
 

@@ -8,11 +8,18 @@ It starts both services, so it lives above both (``confkv_serve``), never inside
 from __future__ import annotations
 
 import logging
-import os
+import secrets
 import sys
 
 from confkv.cli.common import add_model_arg
-from scheduler_svc.cli import add_scheduler_args, scheduler_config, tls_pair, wait_for_signal
+from scheduler_svc.cli import (
+    add_scheduler_args,
+    check_port_free,
+    credentials,
+    scheduler_config,
+    tls_pair,
+    wait_for_signal,
+)
 
 DEMO_TURNS = ("What is the capital of France? Answer in one sentence.", "Name a famous museum there.")
 
@@ -63,8 +70,11 @@ def run(args) -> int:
     config = scheduler_config(args)
     pool = parse_bytes(args.kv_pool_bytes)
     tls = tls_pair(args)
-    token = os.environ.get(args.auth_token_env) or None
-    store = make_store(args.redis, args.redis_prefix)
+    clients, worker_token = credentials(args)
+    worker_token = worker_token or secrets.token_urlsafe(24)  # only our scheduler may call our worker
+    if not args.demo:
+        check_port_free(args.host, args.port)
+    store = make_store(args.redis, args.redis_prefix, args.retention or None)
     engine = create_engine(
         args.model,
         pool,
@@ -72,12 +82,19 @@ def run(args) -> int:
         default_max_new_tokens=args.max_new_tokens,
         worker_id="in-process",
     )
-    worker = start_worker(engine, args.model, "127.0.0.1", 0, None, token, None)
+    worker = start_worker(engine, args.model, "127.0.0.1", 0, None, worker_token, None)
     port = 0 if args.demo else args.port
-    server = serve_scheduler([worker.address], store, config, args.host, port, token, tls)
+    try:
+        server = serve_scheduler(
+            [worker.address], store, config, args.host, port, clients, tls, None, worker_token
+        )
+    except BaseException:
+        worker.stop(1.0)
+        raise
     try:
         if args.demo:
-            return run_demo(server.address, token, args.default_policy, min(args.max_new_tokens, 40))
+            client_token = next(iter(clients), None)
+            return run_demo(server.address, client_token, args.default_policy, min(args.max_new_tokens, 40))
         print(f"confkv serve: scheduler on {server.address}, worker {worker.address} (KV pool {pool} bytes)")
         sys.stdout.flush()
         wait_for_signal()

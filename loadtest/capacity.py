@@ -46,7 +46,9 @@ class StepRecorder:
         self.max_batch = max(self.max_batch, stats.batch_size)
         self.max_used = max(self.max_used, stats.used_bytes)
         self.over_capacity += stats.used_bytes > stats.capacity_bytes
-        self.max_resident = max(self.max_resident, len(self.engine.sessions))  # sessions open on the worker
+        # sessions holding KV on the worker (an idle one may be open with its KV released)
+        resident = sum(1 for s in self.engine.sessions.values() if s.seq is not None)
+        self.max_resident = max(self.max_resident, resident)
         if self.inner is not None:
             self.inner(stats)
 

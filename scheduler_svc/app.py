@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import Scheduler
 from scheduler_svc.grpc_worker import GrpcWorkerClient
 from scheduler_svc.server import SchedulerServer, start_scheduler
-from scheduler_svc.store import MemoryStore, RedisStore, SessionStore
+from scheduler_svc.store import DEFAULT_RETENTION_S, MemoryStore, RedisStore, SessionStore
 
 
-def make_store(redis_url: str | None, prefix: str = "confkv:") -> SessionStore:
-    """Redis when a URL is given, else in-memory. An unreachable Redis is not fatal: turns get
-    UNAVAILABLE until it is back."""
+def make_store(
+    redis_url: str | None, prefix: str = "confkv:", retention_s: float | None = DEFAULT_RETENTION_S
+) -> SessionStore:
+    """Redis when a URL is given, else in-memory. An unreachable Redis is not fatal: the
+    scheduler reports NOT_SERVING and turns get UNAVAILABLE until it is back."""
     if not redis_url:
-        return MemoryStore()
+        return MemoryStore(retention_s)
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"--redis expects a URL like redis://127.0.0.1:6379/0, got {redis_url!r}")
-    return RedisStore(redis_url, prefix=prefix)
+    return RedisStore(redis_url, prefix=prefix, retention_s=retention_s)
 
 
 def parse_workers(text: str) -> list[str]:
@@ -38,9 +42,17 @@ def serve_scheduler(
     config: SchedulerConfig,
     host: str = "127.0.0.1",
     port: int = 0,
-    token: str | None = None,
+    client_tokens: Mapping[str, str] | None = None,
     tls: tuple[str, str] | None = None,
     worker_ca: str | None = None,
+    worker_token: str | None = None,
 ) -> SchedulerServer:
-    clients = [GrpcWorkerClient(a, token=token, ca_file=worker_ca) for a in workers]
-    return start_scheduler(Scheduler(store, clients, config), host, port, token, tls)
+    """``client_tokens``: token -> principal for callers; ``worker_token``: the separate
+    credential the scheduler presents to workers (never accepted from a client)."""
+    if worker_token and client_tokens and worker_token in client_tokens:
+        raise ValueError("the worker token must differ from every client token")
+    clients = [
+        GrpcWorkerClient(a, token=worker_token, ca_file=worker_ca, turn_timeout_s=config.turn_timeout_s)
+        for a in workers
+    ]
+    return start_scheduler(Scheduler(store, clients, config), host, port, client_tokens, tls)

@@ -99,7 +99,7 @@ def run(model: str, turns: int, tokens: int, policy: str, log: Path) -> dict:
     from scheduler_svc.client import SchedulerClient
     from scheduler_svc.config import SchedulerConfig
     from scheduler_svc.core import Scheduler
-    from scheduler_svc.domain import Message, TokenEvent
+    from scheduler_svc.domain import Message, Sampling, TokenEvent
     from scheduler_svc.grpc_worker import GrpcWorkerClient
     from scheduler_svc.server import start_scheduler
     from scheduler_svc.store import MemoryStore
@@ -121,7 +121,7 @@ def run(model: str, turns: int, tokens: int, policy: str, log: Path) -> dict:
             sid = f"bench-direct-{r}"
             direct.open(sid, policy, [])
             t0, times = time.perf_counter(), []
-            for event in direct.turn(sid, Message("user", prompt), tokens):
+            for event in direct.turn(sid, Message("user", prompt), Sampling(tokens)):
                 if isinstance(event, TokenEvent):
                     times.append(time.perf_counter())
             direct.drop(sid)

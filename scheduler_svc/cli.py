@@ -12,17 +12,34 @@ import os
 import signal
 import threading
 
-from confkv.cli.common import UsageError, check_input_file, positive_int
+from confkv.cli.common import (
+    UsageError,
+    check_input_file,
+    port_number,
+    positive_int,
+    require_auth_off_loopback,
+)
+
+DEFAULT_RETENTION_S = 7 * 24 * 3600  # the store's default, documented in --help and the README
 
 
 def add_scheduler_args(p: argparse.ArgumentParser, port: int = 50051) -> None:
     """Flags shared by ``confkv scheduler`` and ``confkv serve``."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=positive_int, default=port, help="0 = any free port")
+    p.add_argument(
+        "--port", type=port_number, default=port, help="0 = any free port; a port in use is refused"
+    )
     p.add_argument(
         "--redis", metavar="URL", help="session store, e.g. redis://127.0.0.1:6379/0 (default: in memory)"
     )
     p.add_argument("--redis-prefix", default="confkv:", help="key prefix in Redis")
+    p.add_argument(
+        "--retention",
+        type=float,
+        default=DEFAULT_RETENTION_S,
+        help="seconds a session is kept after its last turn, then deleted "
+        "(default 604800 = 7 days; 0 = forever)",
+    )
     p.add_argument("--queue-limit", type=positive_int, default=64, help="turns that may wait for KV room")
     p.add_argument("--admission-timeout", type=float, default=30.0, help="seconds a turn may wait for room")
     p.add_argument(
@@ -33,8 +50,15 @@ def add_scheduler_args(p: argparse.ArgumentParser, port: int = 50051) -> None:
     p.add_argument(
         "--auth-token-env",
         default="CONFKV_AUTH_TOKEN",
-        help="env var holding the shared bearer token for clients and workers (unset = no auth)",
+        help="env var holding client tokens, comma-separated 'name=token' or 'token'; each is a principal "
+        "that sees only its own sessions (unset = no auth, allowed on loopback only unless --insecure)",
     )
+    p.add_argument(
+        "--worker-token-env",
+        default="CONFKV_WORKER_TOKEN",
+        help="env var holding the worker token the scheduler sends to workers (different from client tokens)",
+    )
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without client tokens")
     p.add_argument("--tls-cert", help="PEM certificate (with --tls-key: serve TLS)")
     p.add_argument("--tls-key")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight turns get on shutdown")
@@ -43,23 +67,61 @@ def add_scheduler_args(p: argparse.ArgumentParser, port: int = 50051) -> None:
 def add_parser(sub) -> None:
     p = sub.add_parser("scheduler", help="run the gRPC scheduler (sessions, placement by KV footprint)")
     p.add_argument("--workers", required=True, help="comma-separated worker addresses host:port,...")
+    p.add_argument("--turn-timeout", type=float, default=600.0, help="longest a turn may stream, in seconds")
     p.add_argument("--worker-ca", help="CA certificate to verify workers' TLS (default: plaintext)")
     add_scheduler_args(p)
     p.set_defaults(run=run, extras=("serve",))
 
 
 def scheduler_config(args):
+    import math
+
     from scheduler_svc.config import SchedulerConfig
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
-    return SchedulerConfig(
-        queue_limit=args.queue_limit,
-        admission_timeout_s=args.admission_timeout,
-        idle_ttl_s=args.idle_ttl if args.idle_ttl > 0 else None,
-        default_policy=args.default_policy,
-        default_max_new_tokens=args.max_new_tokens,
-    )
+    for flag in ("admission_timeout", "idle_ttl", "retention", "grace"):
+        value = getattr(args, flag)
+        if not math.isfinite(value) or value < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    try:
+        return SchedulerConfig(
+            queue_limit=args.queue_limit,
+            admission_timeout_s=args.admission_timeout,
+            idle_ttl_s=args.idle_ttl if args.idle_ttl > 0 else None,
+            default_policy=args.default_policy,
+            default_max_new_tokens=args.max_new_tokens,
+            turn_timeout_s=getattr(args, "turn_timeout", 600.0),
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def credentials(args) -> tuple[dict[str, str], str | None]:
+    """(client token -> principal, worker token), checked: separate, and required off loopback."""
+    from scheduler_svc.security import client_tokens
+
+    clients = client_tokens(os.environ.get(args.auth_token_env))
+    worker = os.environ.get(args.worker_token_env) or None
+    if worker and worker in clients:
+        raise UsageError(
+            f"${args.worker_token_env} must differ from every client token in ${args.auth_token_env}"
+        )
+    require_auth_off_loopback(args.host, bool(clients), args.insecure, "the scheduler")
+    return clients, worker
+
+
+def check_port_free(host: str, port: int) -> None:
+    import socket
+
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
 
 def tls_pair(args) -> tuple[str, str] | None:
@@ -83,11 +145,18 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     config = scheduler_config(args)
     workers = parse_workers(args.workers)
-    store = make_store(args.redis, args.redis_prefix)
-    token = os.environ.get(args.auth_token_env) or None
+    clients, worker_token = credentials(args)
+    tls = tls_pair(args)
+    check_port_free(args.host, args.port)
+    store = make_store(args.redis, args.redis_prefix, args.retention or None)
     server = serve_scheduler(
-        workers, store, config, args.host, args.port, token, tls_pair(args), args.worker_ca
+        workers, store, config, args.host, args.port, clients, tls, args.worker_ca, worker_token
     )
+    if server.scheduler.store_ok is False:
+        print(
+            f"confkv scheduler: session store {args.redis} unreachable: NOT_SERVING until it answers",
+            flush=True,
+        )
     print(f"confkv scheduler listening on {server.address} (workers: {', '.join(workers)})", flush=True)
     wait_for_signal()
     server.stop(args.grace)

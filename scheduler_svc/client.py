@@ -3,6 +3,7 @@ tests). Returns proto messages; raises ``grpc.RpcError`` with the server's statu
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 
 from confkv_proto import scheduler_pb2 as pb
@@ -36,9 +37,16 @@ class SchedulerClient:
         max_new_tokens: int = 0,
         temperature: float = 0.0,
         timeout: float = 600,
+        request_id: str | None = None,
     ) -> Iterator[pb.ChatEvent]:
+        """One turn's events. ``request_id`` (default: a fresh random one) makes a retry
+        exactly-once: send the same id again when the outcome is unknown."""
         request = pb.ChatRequest(
-            session_id=session_id, content=content, max_new_tokens=max_new_tokens, temperature=temperature
+            session_id=session_id,
+            content=content,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            request_id=request_id or secrets.token_hex(12),
         )
         return self.stub.Chat(request, metadata=self.metadata, timeout=timeout)
 

@@ -1,5 +1,9 @@
 """The worker pool as the scheduler sees it: footprint reports, reservations, the admission
-queue, in-flight turns and idle times, all behind one lock. Transport-free."""
+queue, in-flight turns and idle times, all behind one lock. Transport-free.
+
+Every poll reconciles each worker with the scheduler's placements: sessions a worker holds that
+the scheduler did not place there (it was marked down and came back, the scheduler restarted,
+a drop failed) are dropped, so no KV leaks and no worker copy outlives what the store holds."""
 
 from __future__ import annotations
 
@@ -11,7 +15,14 @@ from collections.abc import Callable, Sequence
 from confkv.policies import parse_policy
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.domain import ClusterStats, SessionRecord, SessionView, WorkerReport, WorkerStats
-from scheduler_svc.errors import Conflict, InvalidArgument, ResourceExhausted, Unavailable, WorkerUnavailable
+from scheduler_svc.errors import (
+    Cancelled,
+    Conflict,
+    InvalidArgument,
+    ResourceExhausted,
+    SchedulerError,
+    Unavailable,
+)
 from scheduler_svc.placement import AdmissionQueue, Placer, Ticket, reservation_bytes
 from scheduler_svc.workers import WorkerClient
 
@@ -41,17 +52,28 @@ class Cluster:
 
     # -- worker health ---------------------------------------------------------------------
     def poll(self) -> None:
-        """Fetch every worker's footprint; a worker that does not answer is marked down."""
+        """Fetch every worker's footprint (a worker that does not answer is marked down) and
+        drop what each worker holds that the scheduler did not place there."""
         for address, client in self.clients.items():
             try:
                 report = client.report()
-            except WorkerUnavailable as err:
+            except SchedulerError as err:
                 self.worker_down(address, str(err))
                 continue
             with self._cond:
                 self.placer.update(report)
                 self.reports[address] = report
+                self._errors.pop(address, None)
+                strays = self.placer.strays(address)
                 self._drain()
+            for session_id in strays:
+                log.info(
+                    "reconcile: dropping %s on %s (not placed there by this scheduler)", session_id, address
+                )
+                try:
+                    client.drop(session_id)
+                except SchedulerError as err:
+                    log.info("reconcile drop of %s on %s failed: %s", session_id, address, err)
 
     def worker_down(self, address: str, reason: str = "") -> list[str]:
         with self._cond:
@@ -61,7 +83,13 @@ class Cluster:
             self._cond.notify_all()
         if was_healthy:
             log.warning("worker %s is down (%s); %d session(s) will be re-placed", address, reason, len(lost))
+            self.clients[address].cancel_calls()  # streams to a stuck worker end now, not never
         return lost
+
+    def wake(self) -> None:
+        """Wake waiters (a caller went away: its wait loop notices)."""
+        with self._cond:
+            self._cond.notify_all()
 
     # -- models and footprints ----------------------------------------------------------------
     def default_model(self) -> str:
@@ -93,6 +121,16 @@ class Cluster:
             address = self.placer.location.get(session_id)
             return address if address and self.placer.workers[address].healthy else None
 
+    def placer_capacity(self, model: str) -> int:
+        """The largest pool among the model's workers (0 when none reported)."""
+        with self._cond:
+            return self.placer.largest_capacity(model)
+
+    def max_transcript_chars(self, model: str) -> int:
+        with self._cond:
+            caps = [r.max_transcript_chars for r in self.reports.values() if r.model == model]
+        return min((c for c in caps if c > 0), default=0)
+
     def request(
         self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()
     ) -> Ticket:
@@ -116,11 +154,15 @@ class Cluster:
         with self._cond:
             return self.queue.position(ticket)
 
-    def wait(self, ticket: Ticket) -> str:
-        """Block until the ticket is admitted (returns the worker) or admission_timeout_s passes."""
+    def wait(self, ticket: Ticket, cancelled: threading.Event | None = None) -> str:
+        """Block until the ticket is admitted (returns the worker), admission_timeout_s passes
+        (ResourceExhausted) or ``cancelled`` is set (Cancelled; the queue slot is freed)."""
         deadline = self.clock() + self.config.admission_timeout_s
         with self._cond:
             while ticket.address is None:
+                if cancelled is not None and cancelled.is_set():
+                    self.queue.remove(ticket)
+                    raise Cancelled("the caller went away while the turn was queued")
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     self.queue.remove(ticket)
@@ -128,7 +170,7 @@ class Cluster:
                         f"no KV room for {ticket.need} bytes after waiting "
                         f"{self.config.admission_timeout_s:g} s in the admission queue; retry later"
                     )
-                self._cond.wait(min(remaining, self.config.poll_interval_s))
+                self._cond.wait(min(remaining, self.config.poll_interval_s, 0.25))
                 self._drain()
             self._mark_admitted(ticket)
             return ticket.address
@@ -158,20 +200,6 @@ class Cluster:
             self._cond.notify_all()
         return address
 
-    def adopt(self, session_id: str, address: str, need: int) -> bool:
-        """After a restart: take back a reservation if the worker still holds the session."""
-        with self._cond:
-            report = self.reports.get(address)
-            if (
-                report is None
-                or session_id not in report.session_bytes
-                or not self.placer.workers[address].healthy
-            ):
-                return False
-            self.placer.adopt(session_id, address, need)
-            self._last_active[session_id] = self.clock()
-            return True
-
     # -- turns and idleness ----------------------------------------------------------------------
     def begin_turn(self, session_id: str) -> None:
         with self._cond:
@@ -180,10 +208,14 @@ class Cluster:
             self._busy.add(session_id)
 
     def end_turn(self, session_id: str) -> None:
+        """The turn is over: its reservation goes back (the session stays where it is, idle)."""
         with self._cond:
             self._busy.discard(session_id)
+            self.placer.finish(session_id)
             if session_id in self.placer.location:
                 self._last_active[session_id] = self.clock()
+            self._drain()
+            self._cond.notify_all()
 
     def idle_sessions(self, ttl_s: float) -> list[tuple[str, str]]:
         """Placed sessions without a turn for ``ttl_s`` seconds (and none in flight)."""

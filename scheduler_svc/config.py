@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from confkv import limits
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """queue_limit: placements that may wait for KV room; admission_timeout_s: how long one
     waits before RESOURCE_EXHAUSTED; idle_ttl_s: a session idle this long releases its KV (its
-    transcript stays; None = never); poll_interval_s: worker footprint polling period."""
+    transcript stays; None = never); poll_interval_s: worker footprint polling period;
+    turn_timeout_s: the longest one turn may stream (a stuck worker cannot hang a client past it;
+    a worker that stops answering polls is cut off sooner). Message limits: ``confkv.limits``."""
 
     queue_limit: int = 64
     admission_timeout_s: float = 30.0
     idle_ttl_s: float | None = 600.0
     poll_interval_s: float = 1.0
-    max_message_chars: int = 32_768
-    max_new_tokens_limit: int = 4096
+    max_new_tokens_limit: int = limits.MAX_NEW_TOKENS_LIMIT
+    turn_timeout_s: float = 600.0
     default_max_new_tokens: int = 256
     open_attempts: int = 3
     default_policy: str = "confkv"
@@ -30,8 +34,12 @@ class SchedulerConfig:
             raise ValueError(f"idle_ttl_s must be positive or None, got {self.idle_ttl_s}")
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {self.poll_interval_s}")
-        if self.max_message_chars < 1 or self.max_new_tokens_limit < 1 or self.open_attempts < 1:
-            raise ValueError("max_message_chars, max_new_tokens_limit and open_attempts must be >= 1")
+        if not 1 <= self.max_new_tokens_limit <= limits.MAX_NEW_TOKENS_LIMIT or self.open_attempts < 1:
+            raise ValueError(
+                f"max_new_tokens_limit must be in [1, {limits.MAX_NEW_TOKENS_LIMIT}] and open_attempts >= 1"
+            )
+        if self.turn_timeout_s <= 0:
+            raise ValueError(f"turn_timeout_s must be positive, got {self.turn_timeout_s}")
         from confkv.policies import parse_policy
 
         parse_policy(self.default_policy)  # raises ValueError with the reason

@@ -1,11 +1,13 @@
 """The scheduler's logic, transport-free: sessions, chat turns, placement, resume.
 
-A session lives in the store (transcript, policy, model, worker, footprint). Its KV lives on at
-most one worker; a turn that finds no live placement (new session, idle TTL expired, worker
-died, scheduler restarted and the worker forgot it) re-places the session by replaying the
-transcript on a worker with room. A turn is acknowledged (``TurnDone``) only after the store
-recorded it atomically; if anything fails first, the worker's copy is dropped so the next turn
-replays exactly the acknowledged transcript.
+A session lives in the store (transcript, policy, model, owner, worker, footprint): the store is
+the source of truth, a worker's copy only a cache. Its KV lives on at most one worker; a turn
+that finds no live placement (new session, idle TTL expired, worker died, scheduler restarted)
+re-places the session by replaying the stored transcript on a worker with room. A turn is
+acknowledged (``TurnDone``) only after the store recorded it atomically under its request id;
+if anything fails first, the worker's copy is dropped so the next turn replays exactly the
+acknowledged transcript, and a retry with the same request id is answered from the store
+instead of being recorded twice. Sessions belong to the principal that created them.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 
+from confkv import limits
 from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.domain import (
-    ROLES,
     ClusterStats,
     Message,
     QueuedEvent,
+    Sampling,
     SessionRecord,
     SessionView,
     TokenEvent,
@@ -32,6 +35,7 @@ from scheduler_svc.domain import (
 from scheduler_svc.errors import (
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     SchedulerError,
     StoreUnavailable,
     Unavailable,
@@ -42,7 +46,8 @@ from scheduler_svc.store import SessionStore, new_session_id
 from scheduler_svc.workers import WorkerClient
 
 log = logging.getLogger("confkv.scheduler")
-Sampling = tuple[int, float, int]  # (max_new_tokens, temperature, seed) as WorkerClient.turn takes them
+ANONYMOUS = "anonymous"  # the principal of every caller when no client tokens are configured
+HealthListener = Callable[[bool, str], None]
 
 
 class Scheduler:
@@ -59,13 +64,17 @@ class Scheduler:
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._adopted = False
+        self.store_ok: bool | None = None  # None = not checked yet
+        self.health_listeners: list[HealthListener] = []
+        self._next_store_log = 0.0
+        self._store_backoff = 1.0
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, background: bool = True) -> None:
-        """Poll workers, take back placements recorded in the store, start housekeeping."""
+        """Check the store, poll workers (dropping every session they hold: nothing is placed
+        yet, and the store, not a worker, holds the truth), start housekeeping."""
+        self.check_store()
         self.cluster.poll()
-        self._adopt()
         if background:
             self._thread = threading.Thread(
                 target=self._housekeeping, name="scheduler-housekeeping", daemon=True
@@ -85,40 +94,64 @@ class Scheduler:
                 log.exception("scheduler housekeeping failed")
 
     def tick(self) -> None:
-        """One housekeeping round: poll footprints, release idle sessions, retry adoption."""
+        """One housekeeping round: check the store, poll and reconcile workers, release idle KV."""
+        self.check_store()
         self.cluster.poll()
-        if not self._adopted:
-            self._adopt()
         if self.config.idle_ttl_s is not None:
             for session_id, address in self.cluster.idle_sessions(self.config.idle_ttl_s):
                 log.info("session %s idle: releasing its KV on %s (transcript kept)", session_id, address)
                 self._unplace(session_id, address)
 
-    def _adopt(self) -> None:
-        """After a restart, keep sessions whose worker still holds them; drop what nobody owns."""
+    def check_store(self) -> bool:
+        """Ping the store; tell health listeners when it goes down or comes back, and log while
+        it stays down with exponential back-off (1 s, 2 s, ... 60 s)."""
         try:
-            records = self.store.list(limit=1_000_000)
+            self.store.ping()
+            ok, reason = True, ""
         except StoreUnavailable as err:
-            log.warning("cannot read placements yet: %s", err)
-            return
-        claimed: set[tuple[str, str]] = set()
-        for record in records:
-            if record.worker and self.cluster.adopt(record.session_id, record.worker, record.footprint_bytes):
-                claimed.add((record.session_id, record.worker))
-        for address, report in list(self.cluster.reports.items()):
-            for session_id in report.session_bytes:
-                if (session_id, address) not in claimed:
-                    self._drop_quietly(address, session_id)
-        self._adopted = True
+            ok, reason = False, str(err)
+        now = time.monotonic()
+        if ok != self.store_ok:
+            self.store_ok, self._store_backoff, self._next_store_log = ok, 1.0, now + 1.0
+            if ok:
+                log.info("session store reachable: serving")
+            else:
+                log.warning("session store unreachable: health NOT_SERVING until it answers (%s)", reason)
+            for listener in self.health_listeners:
+                listener(ok, reason)
+        elif not ok and now >= self._next_store_log:
+            self._store_backoff = min(self._store_backoff * 2, 60.0)
+            self._next_store_log = now + self._store_backoff
+            log.warning(
+                "session store still unreachable (next report in %.0f s): %s", self._store_backoff, reason
+            )
+        return ok
 
     # -- sessions --------------------------------------------------------------------------------
     def create_session(
-        self, model: str = "", policy: str = "", messages: list[Message] | None = None
+        self,
+        model: str = "",
+        policy: str = "",
+        messages: list[Message] | None = None,
+        principal: str = ANONYMOUS,
     ) -> SessionRecord:
         model = model.strip() or self.cluster.default_model()
         policy = policy.strip() or self.config.default_policy
-        self.cluster.reservation(model, policy)  # validates the policy and the model
-        transcript = [self._check_message(m, what="transcript message") for m in messages or []]
+        messages = messages or []
+        try:
+            limits.check_message_count(len(messages))
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        transcript = [self._check_message(m, what="transcript message") for m in messages]
+        need = self.cluster.reservation(model, policy)  # validates the policy and the model
+        largest = self.cluster.placer_capacity(model)
+        if need > largest:
+            raise ResourceExhausted(
+                f"a {policy!r} session needs up to {need} KV bytes, more than the largest worker pool "
+                f"({largest} bytes), so it could never run: choose a bounded policy (e.g. window:n=512 "
+                "or bytes=...), or give the workers a larger --kv-pool-bytes"
+            )
+        self._check_fits(model, transcript, None)
         now = self.clock()
         record = SessionRecord(
             session_id=new_session_id(),
@@ -128,20 +161,26 @@ class Scheduler:
             transcript=transcript,
             created_at=now,
             updated_at=now,
+            owner=principal,
         )
         self.store.create(record)
         return record
 
-    def get_session(self, session_id: str) -> SessionView:
-        return self.cluster.view(self.store.get(_check_id(session_id)))
+    def get_session(self, session_id: str, principal: str = ANONYMOUS) -> SessionView:
+        return self.cluster.view(self._owned(session_id, principal))
 
-    def list_sessions(self, limit: int = 100, offset: int = 0) -> list[SessionView]:
-        if not 1 <= limit <= 10_000 or offset < 0:
-            raise InvalidArgument(f"page size must be in [1, 10000] and offset >= 0, got {limit}, {offset}")
-        return [self.cluster.view(r) for r in self.store.list(limit, offset)]
+    def list_sessions(
+        self, limit: int = 100, offset: int = 0, principal: str = ANONYMOUS
+    ) -> list[SessionView]:
+        if not 1 <= limit <= 10_000 or not 0 <= offset <= 10**9:
+            raise InvalidArgument(
+                f"page size must be in [1, 10000] and offset in [0, 1e9], got {limit}, {offset}"
+            )
+        return [self.cluster.view(r) for r in self.store.list(principal, limit, offset)]
 
-    def end_session(self, session_id: str) -> None:
-        if not self.store.delete(_check_id(session_id)):
+    def end_session(self, session_id: str, principal: str = ANONYMOUS) -> None:
+        self._owned(session_id, principal)
+        if not self.store.delete(session_id):
             raise NotFound(f"unknown session {session_id!r}")
         address = self.cluster.release(session_id)
         if address:
@@ -154,6 +193,13 @@ class Scheduler:
             sessions = -1
         return self.cluster.stats(sessions)
 
+    def _owned(self, session_id: str, principal: str) -> SessionRecord:
+        """The record, if ``principal`` owns it; NotFound otherwise (no existence oracle)."""
+        record = self.store.get(_check_id(session_id))
+        if record.owner != principal:
+            raise NotFound(f"unknown session {session_id!r}")
+        return record
+
     # -- turns -------------------------------------------------------------------------------------
     def chat(
         self,
@@ -162,32 +208,54 @@ class Scheduler:
         max_new_tokens: int = 0,
         temperature: float = 0.0,
         seed: int = 0,
+        *,
+        principal: str = ANONYMOUS,
+        request_id: str = "",
+        cancelled: threading.Event | None = None,
     ) -> Generator[ChatEvent, None, None]:
-        """Validate now, then return the turn's events: maybe QueuedEvent, tokens, one TurnDone."""
+        """Validate now, then return the turn's events: maybe QueuedEvent, tokens, one TurnDone.
+        A ``request_id`` already recorded in the session answers with that turn (``replayed``)."""
         _check_id(session_id)
         message = self._check_message(message, what="message")
-        if message.role not in ("user", "tool"):
+        if message.role not in limits.TURN_ROLES:
             raise InvalidArgument(f"a turn starts with a 'user' or 'tool' message, got role {message.role!r}")
-        if not 0.0 <= temperature <= 10.0:
-            raise InvalidArgument(f"temperature must be in [0, 10], got {temperature}")
-        record = self.store.get(session_id)
-        limit = self._max_new_tokens(max_new_tokens, record.max_new_tokens)
+        try:
+            limits.check_request_id(request_id)
+            limits.check_max_new_tokens(max_new_tokens, self.config.max_new_tokens_limit)
+            sampling = Sampling(max_new_tokens, temperature, seed)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        record = self._owned(session_id, principal)
+        if request_id:
+            recorded = self.store.recorded(session_id, request_id)
+            if recorded is not None:
+                return _replay(recorded)
+        self._check_fits(record.model, [*record.transcript, message], record)
+        sampling = sampling.with_max_new_tokens(sampling.max_new_tokens or record.max_new_tokens)
         self.cluster.begin_turn(session_id)
-        return self._turn(record, message, (limit, temperature, seed))
+        return self._turn(record, message, sampling, request_id, cancelled)
 
     def _turn(
-        self, record: SessionRecord, message: Message, sampling: Sampling
+        self,
+        record: SessionRecord,
+        message: Message,
+        sampling: Sampling,
+        request_id: str,
+        cancelled: threading.Event | None,
     ) -> Generator[ChatEvent, None, None]:
         session_id, committed = record.session_id, False
         try:
-            address, result = yield from self._generate(record, message, sampling)
+            address, result = yield from self._generate(record, message, sampling, request_id, cancelled)
             reply = Message("assistant", result.reply)
             footprint = self.cluster.reserved(session_id)
-            turns = self.store.append_turn(
-                session_id, record.turns, [message, reply], address, footprint, self.clock()
+            done = self.store.append_turn(
+                session_id, record.turns, [message, reply], address, footprint, self.clock(), request_id
             )
+            if done.replayed:  # a concurrent retry recorded it first: answer with the stored turn
+                yield _done_from(done)
+                return
             committed = True
-            yield TurnDone(turns, address, footprint, result)
+            yield TurnDone(done.turn, address, footprint, result)
         finally:
             self.cluster.end_turn(session_id)
             address = self.cluster.location(session_id)
@@ -196,15 +264,22 @@ class Scheduler:
                 # replays exactly the acknowledged transcript.
                 self._unplace(session_id, address)
 
-    def _generate(self, record: SessionRecord, message: Message, sampling: Sampling):
+    def _generate(
+        self,
+        record: SessionRecord,
+        message: Message,
+        sampling: Sampling,
+        request_id: str,
+        cancelled: threading.Event | None,
+    ):
         """Run the turn on the session's worker, re-placing it once if the worker was lost
         before any token was streamed. Generator; returns (address, TurnResult)."""
         for attempt in range(2):
-            address = yield from self._ensure_placed(record)
+            address = yield from self._ensure_placed(record, cancelled)
             streamed = False
             try:
                 with contextlib.closing(
-                    self.cluster.clients[address].turn(record.session_id, message, *sampling)
+                    self.cluster.clients[address].turn(record.session_id, message, sampling, request_id)
                 ) as it:
                     for event in it:
                         if isinstance(event, TurnResult):
@@ -226,38 +301,42 @@ class Scheduler:
                 )
         raise AssertionError("unreachable")
 
-    def _ensure_placed(self, record: SessionRecord):
-        """The worker holding the session's KV, placing it (replaying the transcript) if needed.
-        Generator: yields a QueuedEvent while waiting for room; returns the address."""
-        address = self.cluster.location(record.session_id)
-        if address is not None:
-            return address
+    def _ensure_placed(self, record: SessionRecord, cancelled: threading.Event | None):
+        """Reserve room for the turn and return the worker that will run it: the session's
+        current worker when it has room (warm KV), else another one, where the stored transcript
+        is replayed. Generator: yields a QueuedEvent while waiting for room; returns the address."""
+        session_id = record.session_id
         need = self.cluster.reservation(record.model, record.policy)
         excluded: set[str] = set()
         last_error: SchedulerError = Unavailable("could not place the session")
         for _ in range(self.config.open_attempts):
-            ticket = self.cluster.request(record.session_id, record.model, need, frozenset(excluded))
+            current = self.cluster.location(session_id)
+            ticket = self.cluster.request(session_id, record.model, need, frozenset(excluded))
             try:
                 if ticket.address is None:
                     yield QueuedEvent(self.cluster.position(ticket), f"waiting for {need} bytes of KV room")
-                address = self.cluster.wait(ticket)
+                address = self.cluster.wait(ticket, cancelled)
             except BaseException:
                 self.cluster.cancel(ticket)
                 raise
+            if address == current:
+                return address
+            if current is not None:  # moved: the old copy must not linger
+                self._drop_quietly(current, session_id)
             try:
                 # Workers refuse empty messages; an empty reply (EOS first) carries no tokens anyway.
                 replay = [m for m in record.transcript if m.content.strip()]
-                self.cluster.clients[address].open(record.session_id, record.policy, replay)
-                self.store.set_placement(record.session_id, address, need)
+                self.cluster.clients[address].open(session_id, record.policy, replay)
+                self.store.set_placement(session_id, address, need)
                 return address
             except (WorkerUnavailable, WorkerRefused) as err:
                 last_error = err
                 excluded.add(address)
-                self.cluster.release(record.session_id)
+                self.cluster.release(session_id)
                 if isinstance(err, WorkerUnavailable):
                     self.cluster.worker_down(address, str(err))
             except BaseException:
-                self._unplace(record.session_id, address)
+                self._unplace(session_id, address)
                 raise
         raise last_error
 
@@ -279,26 +358,42 @@ class Scheduler:
             )
 
     def _check_message(self, message: Message, what: str) -> Message:
-        if not isinstance(message, Message) or message.role not in ROLES:
-            raise InvalidArgument(f"{what}: role must be one of {', '.join(ROLES)}")
-        if not message.content.strip():
-            raise InvalidArgument(f"{what}: empty content")
-        if len(message.content) > self.config.max_message_chars:
-            raise InvalidArgument(f"{what}: longer than {self.config.max_message_chars} characters")
+        if not isinstance(message, Message):
+            raise InvalidArgument(f"{what}: not a message")
+        try:
+            limits.check_role(message.role, what)
+            limits.check_text(message.content, what)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
         return message
 
-    def _max_new_tokens(self, requested: int, default: int) -> int:
-        if requested < 0 or requested > self.config.max_new_tokens_limit:
-            raise InvalidArgument(
-                f"max_new_tokens must be in [0, {self.config.max_new_tokens_limit}], got {requested}"
+    def _check_fits(self, model: str, transcript: Sequence[Message], record: SessionRecord | None) -> None:
+        """A transcript longer than any context could hold is refused before anyone tokenizes it."""
+        cap = self.cluster.max_transcript_chars(model) or limits.MAX_TRANSCRIPT_CHARS
+        total = sum(len(m.content) for m in transcript)
+        if total > cap:
+            what = "this session is full" if record is not None else "the transcript is too long"
+            raise ResourceExhausted(
+                f"{what}: {total} characters, more than the {cap} a {model!r} context can hold; "
+                "start a new session"
             )
-        return requested or default
 
 
 ChatEvent = TokenEvent | QueuedEvent | TurnDone
 
 
 def _check_id(session_id: str) -> str:
-    if not isinstance(session_id, str) or not session_id or len(session_id) > 64:
-        raise InvalidArgument("session_id must be a non-empty string of at most 64 characters")
-    return session_id
+    try:
+        return limits.check_session_id(session_id)
+    except ValueError as err:
+        raise InvalidArgument(str(err)) from None
+
+
+def _done_from(recorded) -> TurnDone:
+    result = TurnResult(recorded.reply, "replayed")
+    return TurnDone(recorded.turn, recorded.worker, recorded.footprint, result, replayed=True)
+
+
+def _replay(recorded) -> Generator[ChatEvent, None, None]:
+    """A retried request id: the recorded turn, nothing run again."""
+    yield _done_from(recorded)

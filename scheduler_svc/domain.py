@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from confkv.limits import ROLES, Sampling
 from confkv.memory import KVGeometry
 
-ROLES = ("system", "user", "assistant", "tool")
+__all__ = ["ROLES", "Sampling"]  # re-exported: the one definition lives in confkv.limits
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class SessionRecord:
     created_at: float = 0.0
     updated_at: float = 0.0
     turns: int = 0  # acknowledged turns (user message + assistant reply each)
+    owner: str = ""  # the principal that created it; nobody else sees it
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class WorkerReport:
     session_bytes: dict[str, int] = field(default_factory=dict)
     active: int = 0
     queued: int = 0
+    max_transcript_chars: int = 0  # 0 = unknown (then only the shared absolute cap applies)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class TurnDone:
     worker: str
     footprint_bytes: int
     result: TurnResult
+    replayed: bool = False  # the request id was already recorded: this is that turn, not a new one
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,16 @@ class WorkerUnavailable(Unavailable):
     """A worker did not answer (dead, restarting, network)."""
 
 
+class TurnFailed(Unavailable):
+    """The worker failed this one turn (its INTERNAL) but is itself healthy: not marked down."""
+
+
+class Cancelled(SchedulerError):
+    """The caller went away (cancelled or deadline) before the turn ran."""
+
+    code = "CANCELLED"
+
+
 class WorkerRefused(SchedulerError):
     """A worker refused a session because its own KV pool is full (its RESOURCE_EXHAUSTED)."""
 

@@ -3,18 +3,20 @@ types and its status codes to the scheduler's domain errors."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator
 
 import grpc
 from confkv_proto import worker_pb2, worker_pb2_grpc
 
 from confkv.memory import KVGeometry
-from scheduler_svc.domain import Message, TokenEvent, TurnResult, WorkerReport
+from scheduler_svc.domain import Message, Sampling, TokenEvent, TurnResult, WorkerReport
 from scheduler_svc.errors import (
     Conflict,
     InvalidArgument,
     NotFound,
     SchedulerError,
+    TurnFailed,
     WorkerRefused,
     WorkerUnavailable,
 )
@@ -30,17 +32,16 @@ _FINISH = {
 
 
 def geometry_from_info(info) -> KVGeometry:
-    """Recover a KVGeometry from the worker's per-token byte counts (all layers): per layer,
-    FP = 2*H*D*itemsize and INT8 = 2*H*(D+2). Only these sizes enter the byte bounds."""
-    layers = info.num_layers
-    fp, i8 = info.fp_token_bytes // layers, info.int8_token_bytes // layers
-    for itemsize in (4, 2, 8, 1):
-        if fp % itemsize or (i8 - fp // itemsize) <= 0 or (i8 - fp // itemsize) % 4:
-            continue
-        heads = (i8 - fp // itemsize) // 4
-        if heads and fp % (2 * heads * itemsize) == 0:
-            return KVGeometry(layers, heads, fp // (2 * heads * itemsize), itemsize)
-    raise WorkerUnavailable(f"worker reported inconsistent KV sizes (fp={info.fp_token_bytes}, int8={i8})")
+    """The worker's KV geometry as it reports it (WorkerInfo), checked against its byte totals."""
+    try:
+        geometry = KVGeometry(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype_bytes)
+    except (ValueError, TypeError) as err:
+        raise WorkerUnavailable(f"worker reported an invalid KV geometry: {err}") from None
+    if geometry.fp_token_bytes * geometry.n_layers != info.fp_token_bytes or info.num_kv_heads <= 0:
+        raise WorkerUnavailable(
+            f"worker reported inconsistent KV sizes (geometry {geometry}, fp={info.fp_token_bytes})"
+        )
+    return geometry
 
 
 def _domain_error(err: grpc.RpcError, address: str) -> SchedulerError:
@@ -54,14 +55,24 @@ def _domain_error(err: grpc.RpcError, address: str) -> SchedulerError:
         return InvalidArgument(message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return Conflict(message)
+    if code == grpc.StatusCode.INTERNAL:  # that turn failed; the worker answered, it is alive
+        return TurnFailed(f"worker {address} failed this turn; it was not recorded, send it again")
     return WorkerUnavailable(f"worker {address} failed ({code.name}): {details}")
 
 
 class GrpcWorkerClient:
     def __init__(
-        self, address: str, token: str | None = None, ca_file: str | None = None, timeout_s: float = 10.0
+        self,
+        address: str,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout_s: float = 10.0,
+        turn_timeout_s: float = 600.0,
     ) -> None:
         self.address = address
+        self._turn_timeout = turn_timeout_s
+        self._calls: set[grpc.Future] = set()
+        self._calls_lock = threading.Lock()
         self._channel = channel(address, ca_file)
         self._stub = worker_pb2_grpc.WorkerStub(self._channel)
         self._metadata = auth_metadata(token)
@@ -94,6 +105,7 @@ class GrpcWorkerClient:
             session_bytes={s.session_id: s.kv_bytes for s in fp.sessions},
             active=fp.active_sessions,
             queued=fp.queued_requests,
+            max_transcript_chars=info.max_transcript_chars,
         )
 
     def open(self, session_id: str, policy: str, transcript: list[Message]) -> None:
@@ -112,16 +124,19 @@ class GrpcWorkerClient:
             self._call(self._stub.OpenSession, request)
 
     def turn(
-        self, session_id: str, message: Message, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self, session_id: str, message: Message, sampling: Sampling, request_id: str = ""
     ) -> Generator[TokenEvent | TurnResult, None, None]:
         request = worker_pb2.GenerateRequest(
             session_id=session_id,
             messages=[worker_pb2.ChatMessage(role=message.role, content=message.content)],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            seed=sampling.seed,
+            request_id=request_id,
         )
-        call = self._stub.Generate(request, metadata=self._metadata)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=self._turn_timeout)
+        with self._calls_lock:
+            self._calls.add(call)
         try:
             for event in call:
                 if event.HasField("token"):
@@ -134,6 +149,14 @@ class GrpcWorkerClient:
             raise _domain_error(err, self.address) from None
         finally:
             call.cancel()  # no-op when finished; stops generation when the caller went away
+            with self._calls_lock:
+                self._calls.discard(call)
+
+    def cancel_calls(self) -> None:
+        with self._calls_lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
 
     def drop(self, session_id: str) -> None:
         self._call(self._stub.DropSession, worker_pb2.DropSessionRequest(session_id=session_id))

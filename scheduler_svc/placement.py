@@ -1,11 +1,14 @@
 """Placement and admission by KV footprint.
 
 The scheduler never sees tensors: only workers' reported bytes and capacities, and each
-session's worst-case KV bytes (its *reservation*). A session is placed on a worker only when
-its reservation fits next to every reservation already there plus any bytes the worker
-reports for sessions this scheduler does not know; so no worker's reported bytes can exceed its
-capacity. ``admit`` returns ``None`` when nothing fits (like vLLM's ``allocate_slots``); the
-caller then waits in a bounded FIFO ``AdmissionQueue``.
+session's worst-case KV bytes (its *reservation*). A reservation is held only while a turn
+runs: an idle session keeps its *location* (the worker holding its KV copy) but no reservation,
+because the worker frees idle KV under pressure (least recently used first) and can rebuild it
+from the transcript. A turn is admitted on a worker only when its reservation fits next to every
+running turn's there plus any bytes the worker reports for sessions this scheduler does not
+know; so no worker's reported bytes can exceed its capacity. ``admit`` returns ``None`` when
+nothing fits (like vLLM's ``allocate_slots``); the caller then waits in a bounded FIFO
+``AdmissionQueue``. A session's current worker is preferred (its KV is warm there).
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ class WorkerSlot:
     def reserved_bytes(self) -> int:
         return sum(self.reservations.values())
 
+    located: set[str] = field(default_factory=set)  # sessions whose KV copy lives here
+
     @property
     def external_bytes(self) -> int:
-        """Reported bytes of sessions without a reservation here (another scheduler's, or
-        orphans not yet dropped); counted so they are never double-booked."""
-        known = sum(b for s, b in self.reported_sessions.items() if s in self.reservations)
+        """Reported bytes of sessions this scheduler did not place here (orphans not yet
+        reconciled away); counted so they are never double-booked. Idle sessions of ours are
+        not counted: the worker frees them when a turn needs the room."""
+        known = sum(b for s, b in self.reported_sessions.items() if s in self.located)
         return max(0, self.reported_used - known)
 
     @property
@@ -91,7 +97,7 @@ class Placer:
         if slot is None:
             return []
         slot.healthy = False
-        lost = list(slot.reservations)
+        lost = sorted(slot.located | set(slot.reservations))
         for session_id in lost:
             self.release(session_id)
         slot.reported_used, slot.reported_sessions = 0, {}
@@ -106,31 +112,54 @@ class Placer:
     def admit(
         self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()
     ) -> str | None:
-        """Reserve ``need`` bytes on the worker with the most headroom; None when none fits."""
-        if session_id in self.location:
-            return self.location[session_id]
+        """Reserve ``need`` bytes for a turn: on the session's current worker if it fits there,
+        else on the worker with the most headroom; None when none fits."""
+        current = self.location.get(session_id)
+        if current is not None and session_id in self.workers[current].reservations:
+            return current
         fitting = [
             w for w in self.workers.values() if w.model == model and w.address not in exclude and w.fits(need)
         ]
         if not fitting:
             return None
-        best = max(fitting, key=lambda w: (w.capacity_bytes - w.committed_bytes, -len(w.reservations)))
+        here = next((w for w in fitting if w.address == current), None)
+        best = here or max(
+            fitting, key=lambda w: (w.capacity_bytes - w.committed_bytes, -len(w.reservations))
+        )
         self.adopt(session_id, best.address, need)
         return best.address
 
     def adopt(self, session_id: str, address: str, need: int) -> None:
-        """Record a reservation (a placement, or one found again after a scheduler restart)."""
-        self.release(session_id)
-        self.workers[address].reservations[session_id] = need
+        """Record a running turn's reservation on ``address`` (the session now lives there)."""
+        if self.location.get(session_id) != address:
+            self.release(session_id)
+        slot = self.workers[address]
+        slot.reservations[session_id] = need
+        slot.located.add(session_id)
         self.location[session_id] = address
 
+    def finish(self, session_id: str) -> int:
+        """The turn ended: give back its reservation; the session stays located (idle)."""
+        address = self.location.get(session_id)
+        return self.workers[address].reservations.pop(session_id, 0) if address else 0
+
     def release(self, session_id: str) -> int:
+        """The session's KV is gone (or being dropped): no location, no reservation."""
         address = self.location.pop(session_id, None)
         if address is None:
             return 0
         slot = self.workers[address]
+        slot.located.discard(session_id)
         slot.reported_sessions.pop(session_id, None)  # its bytes are gone with the session
         return slot.reservations.pop(session_id, 0)
+
+    def strays(self, address: str) -> list[str]:
+        """Sessions the worker reports that this scheduler has not placed there: to be dropped
+        (a worker back from a blip, a scheduler restart). Redis is the truth, not the worker."""
+        slot = self.workers.get(address)
+        if slot is None or not slot.healthy:
+            return []
+        return sorted(s for s in slot.reported_sessions if s not in slot.located)
 
 
 @dataclass

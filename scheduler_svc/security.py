@@ -1,45 +1,37 @@
-"""Shared-secret token (``authorization: Bearer <token>`` metadata) and TLS helpers, for the
-scheduler's own server and for its calls to workers."""
+"""Credentials: client tokens (``authorization: Bearer <token>``, one principal each) for the
+scheduler's own server, the separate worker token for its calls to workers, and TLS helpers.
+The server-side interceptor is ``confkv_proto.serving.TokenAuth``."""
 
 from __future__ import annotations
 
-import hmac
 from pathlib import Path
 
 import grpc
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without the shared token with UNAUTHENTICATED (health checks stay open so
-    orchestrators can probe without the secret)."""
+def client_tokens(text: str | None) -> dict[str, str]:
+    """Client credentials from a comma-separated list: ``name=token`` (principal ``name``) or a
+    bare ``token`` (principal ``client-<hash prefix>``). Returns token -> principal."""
+    import hashlib
 
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the shared token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token (authorization metadata)")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(HEALTH_PREFIX):
-            return continuation(handler_call_details)
-        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self._expected):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is not None and handler.response_streaming:
-            return self._deny_stream
-        return self._deny_unary
+    tokens: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, token = item.partition("=")
+        if not sep:
+            name, token = f"client-{hashlib.sha256(item.encode()).hexdigest()[:8]}", item
+        if not name or not token:
+            raise ValueError("client tokens are name=token or token, comma-separated")
+        if token in tokens:
+            raise ValueError("the same client token is listed twice")
+        tokens[token] = name
+    return tokens
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:

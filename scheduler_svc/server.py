@@ -1,24 +1,27 @@
-"""gRPC Scheduler servicer (translation proto <-> domain only), health service, optional token
-auth and TLS. ``start_scheduler`` serves ``confkv scheduler`` and ``confkv serve``."""
+"""gRPC Scheduler servicer (translation proto <-> domain only), health service, client-token
+auth (each token is a principal that owns its sessions) and TLS. ``start_scheduler`` serves
+``confkv scheduler`` and ``confkv serve``. Health is NOT_SERVING while the session store is
+unreachable."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
-from concurrent import futures
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 from confkv_proto import scheduler_pb2 as pb
 from confkv_proto import scheduler_pb2_grpc as pb_grpc
 from confkv_proto import worker_pb2
+from confkv_proto.serving import TokenAuth, bind, current_principal, new_server
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from scheduler_svc.core import Scheduler
 from scheduler_svc.domain import Message, QueuedEvent, SessionView, TokenEvent, TurnDone
 from scheduler_svc.errors import InvalidArgument, SchedulerError
-from scheduler_svc.security import TokenInterceptor, server_credentials
+from scheduler_svc.security import server_credentials
 
 log = logging.getLogger("confkv.scheduler")
 SERVICE_NAME = "confkv.v1.Scheduler"
@@ -88,7 +91,7 @@ def event_proto(event) -> pb.ChatEvent:
         ),
         seconds=res.seconds,
     )
-    return pb.ChatEvent(done=done, turn=event.turn, worker=event.worker)
+    return pb.ChatEvent(done=done, turn=event.turn, worker=event.worker, replayed=event.replayed)
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -97,16 +100,31 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     def CreateSession(self, request, context):
         with _status(context, "CreateSession"):
-            record = self.scheduler.create_session(request.model, request.policy, _messages(request.messages))
-            return session_proto(self.scheduler.get_session(record.session_id), transcript=True)
+            who = current_principal()
+            record = self.scheduler.create_session(
+                request.model, request.policy, _messages(request.messages), principal=who
+            )
+            return session_proto(self.scheduler.get_session(record.session_id, who), transcript=True)
 
     def Chat(self, request, context):
         gone = threading.Event()
-        context.add_callback(gone.set)  # the client cancelled or the deadline passed
+
+        def went_away() -> None:  # the client cancelled or the deadline passed
+            gone.set()
+            self.scheduler.cluster.wake()  # a turn waiting in the admission queue leaves it now
+
+        context.add_callback(went_away)
         with _status(context, "Chat"):
             message = Message(request.role or "user", request.content)
             events = self.scheduler.chat(
-                request.session_id, message, request.max_new_tokens, request.temperature, request.seed
+                request.session_id,
+                message,
+                request.max_new_tokens,
+                request.temperature,
+                request.seed,
+                principal=current_principal(),
+                request_id=request.request_id,
+                cancelled=gone,
             )
             with contextlib.closing(events):
                 for event in events:
@@ -116,16 +134,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     def GetSession(self, request, context):
         with _status(context, "GetSession"):
-            return session_proto(self.scheduler.get_session(request.session_id), request.include_transcript)
+            view = self.scheduler.get_session(request.session_id, current_principal())
+            return session_proto(view, request.include_transcript)
 
     def ListSessions(self, request, context):
         with _status(context, "ListSessions"):
             size = request.page_size or 100
-            try:
-                offset = int(request.page_token or 0)
-            except ValueError:
-                raise InvalidArgument(f"bad page_token {request.page_token!r}") from None
-            views = self.scheduler.list_sessions(size, offset)
+            token = request.page_token or "0"
+            if not (token.isascii() and token.isdigit() and len(token) <= 10):
+                raise InvalidArgument(f"bad page_token {request.page_token[:40]!r}")
+            offset = int(token)
+            views = self.scheduler.list_sessions(size, offset, current_principal())
             token = str(offset + size) if len(views) == size else ""
             return pb.ListSessionsReply(
                 sessions=[session_proto(v, False) for v in views], next_page_token=token
@@ -133,7 +152,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     def EndSession(self, request, context):
         with _status(context, "EndSession"):
-            self.scheduler.end_session(request.session_id)
+            self.scheduler.end_session(request.session_id, current_principal())
             return pb.EndSessionReply(ended=True)
 
     def GetClusterStats(self, request, context):
@@ -190,28 +209,29 @@ def start_scheduler(
     scheduler: Scheduler,
     host: str = "127.0.0.1",
     port: int = 0,
-    token: str | None = None,
+    client_tokens: Mapping[str, str] | None = None,
     tls: tuple[str, str] | None = None,
     max_threads: int = 64,
 ) -> SchedulerServer:
-    """Start the scheduler (poll workers, adopt placements) and serve it on ``host:port``.
-    ``tls`` is (cert_file, key_file); ``token`` a shared secret clients send as a bearer token."""
-    interceptors = [TokenInterceptor(token)] if token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), interceptors=interceptors)
+    """Start the scheduler (check the store, poll and reconcile workers) and serve it on
+    ``host:port``. ``client_tokens`` maps each client's bearer token to its principal name
+    (None/empty = no auth, every caller is ``anonymous``); ``tls`` is (cert_file, key_file).
+    ``BindError`` when the port is in use or invalid."""
+    interceptors = [TokenAuth(client_tokens)] if client_tokens else []
+    server = new_server(max_threads, interceptors)
     pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(scheduler), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{host}:{port}"
-    bound = (
-        server.add_secure_port(address, server_credentials(*tls))
-        if tls
-        else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise ValueError(f"cannot bind {address}")
+    bound = bind(server, host, port, server_credentials(*tls) if tls else None)
+
+    def set_health(ok: bool, reason: str = "") -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)
+
+    scheduler.health_listeners.append(set_health)
     scheduler.start()
     server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    set_health(bool(scheduler.store_ok))
     log.info("scheduler listening on %s:%d", host, bound)
     return SchedulerServer(server, scheduler, health_servicer, host, bound)

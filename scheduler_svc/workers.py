@@ -2,8 +2,9 @@
 workers and tests implement in-process with fakes.
 
 Errors a client raises (scheduler_svc.errors): ``WorkerUnavailable`` (no answer: dead or
-unreachable), ``WorkerRefused`` (its KV pool is full), ``NotFound`` (it does not hold the
-session, e.g. it restarted), ``InvalidArgument`` (it rejected the input).
+unreachable), ``TurnFailed`` (the worker failed that one turn but is healthy), ``WorkerRefused``
+(its KV pool is full), ``NotFound`` (it does not hold the session, e.g. it restarted),
+``InvalidArgument`` (it rejected the input).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Protocol
 
-from scheduler_svc.domain import Message, TokenEvent, TurnResult, WorkerReport
+from scheduler_svc.domain import Message, Sampling, TokenEvent, TurnResult, WorkerReport
 
 
 class WorkerClient(Protocol):
@@ -26,10 +27,15 @@ class WorkerClient(Protocol):
         ...
 
     def turn(
-        self, session_id: str, message: Message, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self, session_id: str, message: Message, sampling: Sampling, request_id: str = ""
     ) -> Generator[TokenEvent | TurnResult, None, None]:
         """Append ``message`` and generate: token pieces as produced, then one TurnResult.
         Closing the iterator early cancels generation."""
+        ...
+
+    def cancel_calls(self) -> None:
+        """End every call in flight to this worker now (it was marked down: a stopped process
+        would otherwise hold its streams open forever)."""
         ...
 
     def drop(self, session_id: str) -> None:

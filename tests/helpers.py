@@ -59,6 +59,7 @@ def tiny_gpt2(layers: int = 3, seed: int = 0):
 
 # --- Reference attention: what a cache must reproduce ---
 
+
 def banded_mask(t: int, n: int, sinks: int = 0) -> torch.Tensor:
     """Additive (1, 1, T, T) mask: token i sees j in (i-n+sinks, i] and the first ``sinks`` tokens."""
     i, j = torch.arange(t)[:, None], torch.arange(t)[None]
@@ -95,6 +96,7 @@ class FakeWorker:
         self.dead = False
         self.opens = 0
         self.gate: threading.Event | None = None  # when set, turns wait on it after the first token
+        self.running: set[str] = set()
         self._lock = threading.Lock()
 
     def _alive(self) -> None:
@@ -116,6 +118,11 @@ class FakeWorker:
         self._alive()
         need = reservation_bytes(parse_policy(policy), GEOMETRY, MAX_CONTEXT)
         with self._lock:
+            # like the real worker: idle sessions give up their KV when a new one needs the room
+            for idle in [s for s in self.sessions if s not in self.running]:
+                if sum(s["need"] for s in self.sessions.values()) + need <= self.capacity:
+                    break
+                del self.sessions[idle]
             reserved = sum(s["need"] for s in self.sessions.values())
             if reserved + need > self.capacity:
                 raise WorkerRefused(f"{self.address}: pool full")
@@ -134,7 +141,8 @@ class FakeWorker:
         session["bytes"] = min(session["need"], GEOMETRY.full_bytes(session["tokens"]))
         assert self.used() <= self.capacity, "fake worker pool exceeded"
 
-    def turn(self, session_id, message, max_new_tokens, temperature=0.0, seed=0):
+    def turn(self, session_id, message, sampling, request_id=""):
+        max_new_tokens = sampling.max_new_tokens
         self._alive()
         if session_id not in self.sessions:
             raise NotFound(f"{self.address} does not hold {session_id}")
@@ -143,13 +151,17 @@ class FakeWorker:
         words = reply.split()[:max_new_tokens]
         with self._lock:
             self._grow(session_id, len(message.content.split()) + 4)
-        for index, word in enumerate(words):
-            if index == 1 and self.gate is not None:
-                self.gate.wait(10)
-            self._alive()
-            with self._lock:
-                self._grow(session_id, 1)
-            yield TokenEvent((" " if index else "") + word, index=index, session_bytes=session["bytes"])
+        self.running.add(session_id)
+        try:
+            for index, word in enumerate(words):
+                if index == 1 and self.gate is not None:
+                    self.gate.wait(10)
+                self._alive()
+                with self._lock:
+                    self._grow(session_id, 1)
+                yield TokenEvent((" " if index else "") + word, index=index, session_bytes=session["bytes"])
+        finally:
+            self.running.discard(session_id)
         text = " ".join(words)
         session["transcript"] += [message, Message("assistant", text)]
         reason = "eos" if len(words) == len(reply.split()) else "max_tokens"
@@ -160,13 +172,17 @@ class FakeWorker:
         with self._lock:
             self.sessions.pop(session_id, None)
 
+    def cancel_calls(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
 
 # --- Real processes for end-to-end tests (tiny model + SmolLM2 tokenizer, confkv subprocesses) ---
 
-TOKEN = "e2e-shared-secret"
+TOKEN = "e2e-client-secret"  # clients -> scheduler
+WORKER_TOKEN = "e2e-worker-secret"  # scheduler -> workers (a different credential)
 
 
 def save_tiny_model(folder: Path) -> Path:
@@ -193,16 +209,18 @@ def save_tiny_model(folder: Path) -> Path:
 class Proc:
     """A ``confkv`` subprocess with its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.args, self.log = args, log
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args, self.log, self.env = args, log, env or {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Proc:
         env = {
             **os.environ,
             "CONFKV_AUTH_TOKEN": TOKEN,
+            "CONFKV_WORKER_TOKEN": WORKER_TOKEN,
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            **self.env,
         }
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(

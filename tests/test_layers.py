@@ -78,4 +78,5 @@ def test_command_table_is_the_only_place_that_names_every_layer():
     assert owners == {
         "generate": "confkv", "plan": "confkv", "eval": "confkv", "worker": "worker_svc",
         "scheduler": "scheduler_svc", "serve": "confkv_serve", "chat": "confkv_serve",
+        "sessions": "confkv_serve",
     }  # fmt: skip

@@ -1,4 +1,5 @@
-"""Input validation and KV-pool arithmetic for the engine (pure functions, no locks).
+"""Input validation for the engine (pure functions, no locks), against the limits both services
+share (``confkv.limits``).
 
 A turn reserves its worst case: the policy's peak bound (``peak_bytes_bound``), capped by a
 full cache of the turn's whole context (prompt + max new tokens), since no policy stores more
@@ -8,20 +9,59 @@ that context alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import Iterable, Sequence
 
+from confkv import limits
 from confkv.memory import KVGeometry
 from confkv.policies import CachePolicy, parse_policy
-from worker_svc.session import Session
-from worker_svc.types import ChatMessage, EngineConfig, InvalidRequest, SessionState
+from worker_svc.codec import ChatCodec
+from worker_svc.types import ChatMessage, EngineConfig, InvalidRequest, PoolExhausted, TurnRequest
 
-ROLES = frozenset({"system", "user", "assistant", "tool"})
-MAX_SESSION_ID = 128
+log = logging.getLogger("confkv.worker")
 
 
 def check_session_id(session_id: str) -> None:
-    if not session_id or len(session_id) > MAX_SESSION_ID or not session_id.isprintable():
-        raise InvalidRequest(f"session id must be 1..{MAX_SESSION_ID} printable characters")
+    try:
+        limits.check_session_id(session_id)
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
+
+
+def check_sampling(request: TurnRequest) -> None:
+    try:
+        limits.check_temperature(request.temperature)
+        limits.check_request_id(request.request_id)
+        if not 0 <= request.seed <= limits.MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**64 - 1], got {request.seed}")
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
+
+
+def check_transcript(messages: Sequence[ChatMessage], config: EngineConfig) -> None:
+    """A conversation longer (in characters) than the context could ever hold is refused before
+    it is tokenized."""
+    total, cap = (
+        sum(len(m.content) for m in messages),
+        limits.transcript_char_limit(config.max_context_tokens),
+    )
+    if total > cap:
+        raise PoolExhausted(
+            f"the conversation has {total} characters; at most {cap} can fit a "
+            f"{config.max_context_tokens}-token "
+            "context: start a new session"
+        )
+
+
+def encode(codec: ChatCodec, messages: Sequence[ChatMessage]) -> list[int]:
+    """Token ids of the conversation; a chat template that rejects it is the caller's error."""
+    try:
+        return codec.encode_chat(messages)
+    except Exception as err:  # jinja TemplateError and friends: the input, not the worker
+        log.info("chat template refused the conversation: %s", err)
+        raise InvalidRequest(
+            f"the model's chat template rejects this conversation: {str(err)[:200]}"
+        ) from None
 
 
 def parse(spec: str, geometry: KVGeometry) -> CachePolicy:
@@ -38,24 +78,20 @@ def check_messages(
     out = tuple(messages)
     if not out and not allow_empty:
         raise InvalidRequest("at least one message is needed")
-    for i, m in enumerate(out):
-        if m.role not in ROLES:
-            raise InvalidRequest(
-                f"message {i}: unknown role {m.role!r}; use one of {', '.join(sorted(ROLES))}"
-            )
-        if not m.content.strip():
-            raise InvalidRequest(f"message {i}: empty content")
-        if len(m.content) > config.max_message_chars:
-            raise InvalidRequest(
-                f"message {i}: {len(m.content)} characters exceeds the limit of {config.max_message_chars}"
-            )
+    try:
+        limits.check_message_count(len(out))
+        for i, m in enumerate(out):
+            limits.check_role(m.role, f"message {i}")
+            limits.check_text(m.content, f"message {i}")
+    except ValueError as err:
+        raise InvalidRequest(str(err)) from None
     return out
 
 
 def check_max_new_tokens(value: int, config: EngineConfig) -> int:
     """0 -> the default; negative or above the limit -> InvalidRequest."""
     if value < 0:
-        raise InvalidRequest(f"max_new_tokens must be >= 0, got {value}")
+        raise InvalidRequest(f"max_new_tokens must be in [0, {config.max_new_tokens_limit}], got {value}")
     if value > config.max_new_tokens_limit:
         raise InvalidRequest(
             f"max_new_tokens {value} exceeds this worker's limit {config.max_new_tokens_limit}"
@@ -66,19 +102,3 @@ def check_max_new_tokens(value: int, config: EngineConfig) -> int:
 def policy_bound(policy: CachePolicy, geometry: KVGeometry) -> int | None:
     """The policy's own peak KV bytes, or None when it does not bound them (``full``)."""
     return policy.peak_bytes_bound(geometry) if policy.evicts else None
-
-
-def release_idle(sessions: Mapping[str, Session], keep: Session, needed: int) -> int:
-    """Free idle sessions' KV (least recently used first) until ``needed`` reserved bytes are
-    released; their transcripts stay, their next turn rebuilds the cache. Returns bytes freed."""
-    idle = [
-        s for s in sessions.values()
-        if s is not keep and s.state is SessionState.IDLE and s.turn is None and s.reserved_bytes > 0
-    ]  # fmt: skip
-    freed = 0
-    for session in sorted(idle, key=lambda s: s.last_used):
-        if freed >= needed:
-            break
-        freed += session.reserved_bytes
-        session.release_kv()
-    return freed

@@ -11,14 +11,16 @@ import signal
 import threading
 from pathlib import Path
 
-from confkv.cli.common import UsageError, add_model_arg, positive_int
+from confkv.cli.common import UsageError, add_model_arg, port_number, positive_int, require_auth_off_loopback
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("worker", help="run a gRPC worker (model + sessions' KV caches, batched decode)")
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=positive_int, default=50061, help="0 = any free port")
+    p.add_argument(
+        "--port", type=port_number, default=50061, help="0 = any free port; a port in use is refused"
+    )
     p.add_argument("--kv-pool-bytes", default="256MiB", help="KV pool, e.g. 268435456, 256MiB, 2GB")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="model dtype")
@@ -29,9 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="default reply length")
     p.add_argument("--max-context", type=positive_int, default=0, help="0 = the model's positions")
     p.add_argument("--worker-id", default="", help="name in footprints and metrics (default host:port)")
-    p.add_argument("--metrics-port", type=positive_int, help="serve Prometheus metrics on this port")
-    p.add_argument("--auth-token-env", default="CONFKV_AUTH_TOKEN",
-                   help="env var holding a shared bearer token (unset = no auth)")  # fmt: skip
+    p.add_argument("--metrics-port", type=port_number, help="serve Prometheus metrics on this port")
+    p.add_argument("--auth-token-env", default="CONFKV_WORKER_TOKEN",
+                   help="env var holding the worker token: only the scheduler may call the worker "
+                        "(unset = no auth, allowed on loopback only unless --insecure)")  # fmt: skip
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without a token")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate (with --tls-key: serve TLS)")
     p.add_argument("--tls-key", type=Path)
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight turns get on shutdown")
@@ -61,7 +65,13 @@ def run(args) -> int:
     pool = parse_bytes(args.kv_pool_bytes)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
+    token = os.environ.get(args.auth_token_env) or None
+    require_auth_off_loopback(args.host, token is not None, args.insecure, "the worker")
+    for path in (args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            raise UsageError(f"TLS file not found: {path}")
     tls = (args.tls_cert.read_bytes(), args.tls_key.read_bytes()) if args.tls_cert else None
+    _check_ports_free(args.host, args.port, args.metrics_port)
     configure_logging(fmt=args.log_format)
     config = dict(
         max_batch_size=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
@@ -77,7 +87,7 @@ def run(args) -> int:
         args.host,
         args.port,
         args.metrics_port,
-        os.environ.get(args.auth_token_env) or None,
+        token,
         tls,
     )
     print(f"confkv worker listening on {worker.address} (KV pool {pool} bytes)", flush=True)
@@ -87,3 +97,18 @@ def run(args) -> int:
     stop.wait()
     worker.stop(args.grace)
     return 0
+
+
+def _check_ports_free(host: str, *ports: int | None) -> None:
+    """Fail fast (before loading the model) on a port another process holds."""
+    import socket
+
+    for port in ports:
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "in use"
+            try:
+                sock.bind((host, port))
+            except OSError as err:
+                raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None

@@ -5,9 +5,10 @@ caches are released, least recently used first, to make room), feed one prompt c
 prefilling turn (eviction between chunks), then sample one token for every decoding turn and
 advance all of them in ONE batched forward over their ragged caches.
 
-Pool invariant: ``sum(reserved_bytes) <= kv_pool_bytes`` and every session's exact bytes stay
-within its reservation (a turn reserves ``min(policy peak bound, full cache of its context)``),
-so the bytes in use never exceed the pool.
+The pool arithmetic lives in ``KVPool`` (``kvpool.py``: invariant ``sum(reserved) <= pool``;
+every session's exact bytes stay within its reservation, a turn reserving ``min(policy peak
+bound, full cache of its context)``); text output in ``output.py``. A failure while stepping one
+turn (its prefill, its sampling, its share of a batched forward) fails that turn only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from confkv.memory import KVGeometry
 from confkv.sequence import SequenceCache
 from worker_svc import admission
 from worker_svc.codec import ChatCodec
+from worker_svc.kvpool import KVPool
+from worker_svc.output import Detokenizer
 from worker_svc.session import Session, Turn, TurnHandle
 from worker_svc.stats import StepStats, ThroughputMeter
 from worker_svc.types import (
@@ -66,6 +69,7 @@ class Engine:
         self.dtype, self.device = param.dtype, param.device
         self.geometry = KVGeometry.from_config(model.config, self.dtype)
         self.sessions: dict[str, Session] = {}
+        self.pool = KVPool("hot", config.kv_pool_bytes)
         self.queue: collections.deque[Turn] = collections.deque()
         self.active: list[Turn] = []
         self.lock = threading.RLock()
@@ -89,32 +93,44 @@ class Engine:
             session = Session(session_id, resolved, list(messages))
             self.sessions[session_id] = session
             log.info("session opened", extra={"session_id": session_id, "policy": resolved.spec()})
-            return session.report()
+            return self._report(session)
 
     def submit(self, request: TurnRequest) -> TurnHandle:
-        """Queue a turn; raises InvalidRequest / SessionNotFound / SessionBusy / PoolExhausted."""
+        """Queue a turn; raises InvalidRequest / SessionNotFound / SessionBusy / PoolExhausted.
+
+        Validation and tokenization run outside the engine lock (a long transcript must not stall
+        other sessions' steps); the lock is held only to check the session did not move on."""
         messages = admission.check_messages(request.messages, self.config, allow_empty=True)
         max_new = admission.check_max_new_tokens(request.max_new_tokens, self.config)
+        admission.check_sampling(request)
         with self.lock:
             self._check_open()
             session = self._get(request.session_id)
             if session.turn is not None:
                 raise SessionBusy(f"session {request.session_id!r} already has a turn in progress")
-            ids = self.codec.encode_chat([*session.transcript, *messages])
-            limit = self.config.max_context_tokens
-            if len(ids) >= limit:
-                raise PoolExhausted(f"the conversation has {len(ids)} tokens; the context limit is {limit}")
-            capped = min(max_new, limit - len(ids))
-            reserve = session.policy.worst_case_bytes(self.geometry, len(ids) + capped)
-            if reserve > self.config.kv_pool_bytes:
-                raise PoolExhausted(
-                    f"the turn needs up to {reserve} KV bytes ({session.policy.spec()}, {len(ids)} + "
-                    f"{capped} tokens); the pool holds {self.config.kv_pool_bytes}"
-                )
+            conversation = [*session.transcript, *messages]
+        admission.check_transcript(conversation, self.config)
+        ids = admission.encode(self.codec, conversation)
+        limit = self.config.max_context_tokens
+        if len(ids) >= limit:
+            raise PoolExhausted(f"the conversation has {len(ids)} tokens; the context limit is {limit}")
+        capped = min(max_new, limit - len(ids))
+        reserve = session.policy.worst_case_bytes(self.geometry, len(ids) + capped)
+        if not self.pool.fits_alone(reserve):
+            raise PoolExhausted(
+                f"the turn needs up to {reserve} KV bytes ({session.policy.spec()}, {len(ids)} + "
+                f"{capped} tokens); the pool holds {self.config.kv_pool_bytes}"
+            )
+        with self.lock:
+            self._check_open()
+            if self.sessions.get(request.session_id) is not session or session.turn is not None:
+                raise SessionBusy(f"session {request.session_id!r} changed while the turn was prepared")
+            if len(session.transcript) + len(messages) != len(conversation):
+                raise SessionBusy(f"session {request.session_id!r} changed while the turn was prepared")
             if len(self.queue) >= self.config.max_queue:
                 raise PoolExhausted(f"the wait queue is full ({self.config.max_queue} turns)")
             handle = TurnHandle(TurnRequest(request.session_id, messages, max_new, *_rest(request)))
-            turn = Turn(session, handle, ids, capped, capped < max_new, reserve)
+            turn = Turn(session, handle, ids, capped, capped < max_new, reserve, Detokenizer(self.codec))
             session.turn, session.state = turn, SessionState.QUEUED
             self.queue.append(turn)
             self.wakeup.notify_all()
@@ -132,7 +148,7 @@ class Engine:
                     self._finish(session.turn, FinishReason.CANCELLED)
                 self.wakeup.notify_all()
                 return freed
-            session.release_kv()
+            self._release_kv(session)
             if not release_kv_only:
                 del self.sessions[session_id]
             log.info("session dropped", extra={"session_id": session_id, "freed_bytes": freed})
@@ -141,22 +157,25 @@ class Engine:
     def estimate(self, policy: str, transcript: Sequence[ChatMessage], context_tokens: int, max_new: int):
         resolved = admission.parse(policy or self.config.default_policy, self.geometry)
         messages = admission.check_messages(transcript, self.config, allow_empty=True)
-        if context_tokens < 0:
-            raise InvalidRequest(f"context_tokens must be >= 0, got {context_tokens}")
+        if not 0 <= context_tokens <= self.config.max_context_tokens:
+            raise InvalidRequest(
+                f"context_tokens must be in [0, {self.config.max_context_tokens}], got {context_tokens}"
+            )
         max_new = admission.check_max_new_tokens(max_new, self.config)
-        tokens = context_tokens + (len(self.codec.encode_chat(messages)) if messages else 0)
+        admission.check_transcript(messages, self.config)
+        tokens = context_tokens + (len(admission.encode(self.codec, messages)) if messages else 0)
         worst = resolved.worst_case_bytes(self.geometry, tokens + max_new)
         bound = admission.policy_bound(resolved, self.geometry)
         return Estimate(worst, bound or 0, resolved.spec(), tokens, worst <= self.config.kv_pool_bytes)
 
     def footprint(self, include_sessions: bool = True) -> Footprint:
         with self.lock:
-            sessions = tuple(s.report() for s in self.sessions.values())
+            sessions = tuple(self._report(s) for s in self.sessions.values())
             return Footprint(
                 worker_id=self.config.worker_id,
                 capacity_bytes=self.config.kv_pool_bytes,
                 used_bytes=sum(s.kv_bytes for s in sessions),
-                reserved_bytes=sum(s.reserved_bytes for s in sessions),
+                reserved_bytes=self.pool.reserved_bytes,
                 active_sessions=len(self.active),
                 queued_requests=len(self.queue),
                 open_sessions=len(sessions),
@@ -168,7 +187,12 @@ class Engine:
 
     def session_report(self, session_id: str) -> SessionReport:
         with self.lock:
-            return self._get(session_id).report()
+            return self._report(self._get(session_id))
+
+    def used_bytes(self) -> int:
+        """Exact KV bytes stored now (the metrics gauge reads this on every scrape)."""
+        with self.lock:
+            return sum(s.nbytes() for s in self.sessions.values())
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -182,17 +206,12 @@ class Engine:
         started = time.perf_counter()
         for turn in work:
             if turn.pending:
-                self._prefill_chunk(turn)
+                self._isolated(turn, self._prefill_chunk)
         with self.lock:
-            decoding = [t for t in work if t.logits is not None and not t.pending]
-            continuing = [t for t in decoding if self._emit_next(t)]
+            decoding = [t for t in work if t.logits is not None and not t.pending and t in self.active]
+            continuing = [t for t in decoding if self._isolated(t, self._emit_next)]
         if continuing:
-            tokens = torch.tensor([t.generated[-1] for t in continuing], device=self.device)
-            cache = ConfKVCache([_seq(t) for t in continuing])
-            logits = decode_one_token(self.model, cache, tokens)  # (B, V), one forward for all
-            for turn, row in zip(continuing, logits, strict=True):
-                turn.fed.append(turn.generated[-1])
-                turn.logits = row
+            self._decode(continuing)
         with self.lock:
             self.last_batch_size = len(continuing)
             self.meter.add(len(decoding))
@@ -201,6 +220,42 @@ class Engine:
             self.on_step(StepStats(len(continuing), len(decoding), time.perf_counter() - started, used,
                                    self.config.kv_pool_bytes))  # fmt: skip
         return True
+
+    def _decode(self, turns: list[Turn]) -> None:
+        """One batched forward for ``turns``; if it fails, each turn alone, so that only the
+        turns that fail by themselves are failed."""
+        try:
+            self._forward(turns)
+        except Exception:
+            if len(turns) == 1:
+                with self.lock:
+                    self._fail(turns[0], "the decode step failed for this turn")
+                return
+            log.warning("batched decode step failed; retrying its %d turns one by one", len(turns))
+            for turn in turns:
+                self._isolated(turn, lambda t: self._forward([t]))
+
+    def _forward(self, turns: list[Turn]) -> None:
+        tokens = torch.tensor([t.generated[-1] for t in turns], device=self.device)
+        cache = ConfKVCache([_seq(t) for t in turns])
+        logits = decode_one_token(self.model, cache, tokens)  # (B, V), one forward for all
+        for turn, row in zip(turns, logits, strict=True):
+            turn.fed.append(turn.generated[-1])
+            turn.logits = row
+
+    def _isolated(self, turn: Turn, work: Callable[[Turn], object]) -> bool:
+        """Run one turn's share of the step; an exception fails that turn only."""
+        try:
+            return bool(work(turn))
+        except Exception:
+            log.exception("turn failed in the engine", extra={"session_id": turn.session.session_id})
+            with self.lock:
+                self._fail(turn, "this turn failed in the engine; the worker keeps serving")
+            return False
+
+    def _fail(self, turn: Turn, reason: str) -> None:
+        if turn in self.active or turn in self.queue:
+            self._finish(turn, FinishReason.CANCELLED, error=reason)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Step until no work is left (synchronous use: tests, benchmarks). Returns steps taken."""
@@ -234,7 +289,7 @@ class Engine:
         while not self._stop.is_set():
             try:
                 busy = self.step()
-            except Exception:  # a failing step must not kill the worker: fail its turns
+            except Exception:  # outside any one turn (a bug): keep the worker alive, fail the batch
                 log.exception("engine step failed")
                 with self.lock:
                     for turn in list(self.active):
@@ -263,15 +318,17 @@ class Engine:
             self._finish(turn, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
-        capacity = self.config.kv_pool_bytes
         while self.queue and len(self.active) < self.config.max_batch_size:
             turn = self.queue[0]
             session = turn.session
-            others = sum(s.reserved_bytes for s in self.sessions.values() if s is not session)
-            missing = others + turn.reserve_bytes - capacity
-            if missing > 0:
-                others -= admission.release_idle(self.sessions, session, missing)
-            if others + turn.reserve_bytes > capacity:
+            idle = sorted(
+                (s for s in self.sessions.values() if s is not session and s.turn is None and s.seq),
+                key=lambda s: s.last_used,
+            )
+            if not self.pool.reserve(
+                session.session_id, max(turn.reserve_bytes, session.nbytes()),
+                [s.session_id for s in idle], self._evict_idle,
+            ):  # fmt: skip
                 return  # FIFO: wait until running turns finish and shrink their reservations
             self.queue.popleft()
             self._start(turn)
@@ -288,7 +345,6 @@ class Engine:
             session.fed_ids = []
             turn.pending = list(ids)
         turn.prompt_tokens = len(turn.pending)
-        session.reserved_bytes = max(turn.reserve_bytes, session.nbytes())
         session.state = SessionState.PREFILL
         turn.started_at = time.perf_counter()
         if turn.request.temperature > 0:
@@ -322,10 +378,7 @@ class Engine:
         if token in self.codec.eos_ids and not turn.request.ignore_eos:
             self._finish(turn, FinishReason.EOS)
             return False
-        text = self.codec.decode(turn.generated)
-        delta = ""
-        if not text.endswith("\ufffd") and text.startswith(turn.emitted_text):
-            delta, turn.emitted_text = text[len(turn.emitted_text) :], text
+        delta = turn.output.push(token)
         seq = _seq(turn)
         budget = seq.budget if seq.policy.evicts else 0  # full: no budget (unbounded)
         event = TokenEvent(token, delta, len(turn.generated) - 1, seq.nbytes(), budget)
@@ -344,32 +397,46 @@ class Engine:
             self.active.remove(turn)
         if turn in self.queue:
             self.queue.remove(turn)
-        completed = reason in (FinishReason.EOS, FinishReason.MAX_TOKENS, FinishReason.CONTEXT)
-        text = self.codec.decode(turn.generated)
+        ends = (FinishReason.EOS, FinishReason.MAX_TOKENS, FinishReason.CONTEXT)
+        completed = error is None and reason in ends
+        text = turn.output.final(turn.generated)
         if completed:
             session.transcript += [*turn.request.messages, ChatMessage("assistant", text)]
             session.fed_ids += turn.fed
-            session.reserved_bytes = session.nbytes()
+            self.pool.shrink(session.session_id, session.nbytes())
         else:  # the cancelled turn is not committed: its KV goes, the transcript stays
-            session.release_kv()
+            self._release_kv(session)
         session.turn, session.state, session.last_used = None, SessionState.IDLE, time.monotonic()
         if session.dropping:
-            session.release_kv()
+            self._release_kv(session)
             self.sessions.pop(session.session_id, None)
         now = time.perf_counter()
         started = turn.started_at or now
         if error is not None:
             turn.handle.events.put(TurnFailed(InternalError(error)))
         else:
-            done = TurnDone(reason, text, turn.prompt_tokens, len(turn.generated),
-                            session.seq.seen_tokens if session.seq else 0, session.report(), now - started,
-                            started - turn.enqueued_at)  # fmt: skip
+            seen = session.seq.seen_tokens if session.seq else 0
+            report = self._report(session)
+            done = TurnDone(reason, text, turn.prompt_tokens, len(turn.generated), seen, report,
+                            now - started, started - turn.enqueued_at)  # fmt: skip
             turn.handle.events.put(done)
         log.info(
             "turn finished",
             extra={"session_id": session.session_id, "request_id": turn.request.request_id,
                    "reason": reason.value, "generated_tokens": len(turn.generated)},
         )  # fmt: skip
+
+
+    def _evict_idle(self, session_id: str) -> None:
+        log.info("idle KV released for room", extra={"session_id": session_id})
+        self._release_kv(self.sessions[session_id])
+
+    def _release_kv(self, session: Session) -> int:
+        self.pool.release(session.session_id)
+        return session.release_kv()
+
+    def _report(self, session: Session) -> SessionReport:
+        return session.report(self.pool.reserved(session.session_id))
 
 
 def _rest(request: TurnRequest) -> tuple:

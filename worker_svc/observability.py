@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from worker_svc.stats import StepStats
@@ -41,7 +42,7 @@ class WorkerMetrics:
     """Prometheus series of one worker, in their own registry (several workers may share a
     process in tests and in ``confkv serve``)."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, used_bytes: Callable[[], int] | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -60,12 +61,16 @@ class WorkerMetrics:
         self.step_seconds = Histogram("confkv_worker_step_seconds", "engine step time", labels,
                                       registry=self.registry)  # fmt: skip
         self.worker_id = worker_id
+        if used_bytes is not None:  # read at scrape time: never stale after a drop without steps
+            self.kv_used.labels(worker_id).set_function(used_bytes)
+        self._live_used = used_bytes is not None
         self._server: Any = None  # prometheus WSGIServer once serving
         self._last = time.monotonic()
 
     def on_step(self, stats: StepStats) -> None:
         w = self.worker_id
-        self.kv_used.labels(w).set(stats.used_bytes)
+        if not self._live_used:
+            self.kv_used.labels(w).set(stats.used_bytes)
         self.kv_capacity.labels(w).set(stats.capacity_bytes)
         self.batch.labels(w).set(stats.batch_size)
         self.tokens.labels(w).inc(stats.tokens)

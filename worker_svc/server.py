@@ -1,4 +1,7 @@
-"""gRPC Worker servicer (translation only), health service, optional auth, graceful shutdown.
+"""gRPC Worker servicer (translation only), health service, worker-token auth, graceful shutdown.
+
+Only the scheduler calls a worker: it authenticates with the worker token, which is a different
+credential from any client's (clients hold scheduler tokens and get UNAUTHENTICATED here).
 
 ``start_worker(...)`` builds and starts a server around an ``Engine`` and returns a
 ``WorkerServer`` handle (``.port``, ``.stop(grace)``): the same call serves ``confkv worker`` and
@@ -11,15 +14,16 @@ import contextlib
 import logging
 import queue
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from typing import NoReturn
 
 import grpc
 from confkv_proto import worker_pb2 as pb
 from confkv_proto import worker_pb2_grpc as pb_grpc
+from confkv_proto.serving import BindError, TokenAuth, bind, new_server
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from confkv import limits
 from worker_svc import convert
 from worker_svc.engine import Engine
 from worker_svc.observability import WorkerMetrics
@@ -45,7 +49,7 @@ CODES = {
     SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
     PoolExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
-    InternalError: grpc.StatusCode.INTERNAL,
+    InternalError: grpc.StatusCode.INTERNAL,  # this turn failed in the engine; the worker is fine
 }
 
 
@@ -79,9 +83,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_layers=geo.n_layers,
             max_context_tokens=cfg.max_context_tokens,
             max_batch_size=cfg.max_batch_size,
-            max_message_chars=cfg.max_message_chars,
+            max_message_chars=limits.MAX_MESSAGE_CHARS,
             max_queue=cfg.max_queue,
             default_policy=cfg.default_policy,
+            num_kv_heads=geo.n_kv_heads,
+            head_dim=geo.head_dim,
+            dtype_bytes=geo.dtype_bytes,
+            max_new_tokens_limit=cfg.max_new_tokens_limit,
+            max_transcript_chars=limits.transcript_char_limit(cfg.max_context_tokens),
         )
 
     def OpenSession(self, request, context):
@@ -129,33 +138,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return convert.footprint_to_proto(self.engine.footprint(request.include_sessions))
 
     def WatchFootprint(self, request, context):
-        if request.interval_ms < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_ms must be >= 0")
+        if not 0 <= request.interval_ms <= 3_600_000:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_ms must be in [0, 3600000]")
         interval = (request.interval_ms or 1000) / 1000
         while context.is_active():
             yield convert.footprint_to_proto(self.engine.footprint(request.include_sessions))
             deadline = time.monotonic() + interval
             while context.is_active() and time.monotonic() < deadline:
                 time.sleep(min(0.05, interval))
-
-
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Require ``authorization: Bearer <token>`` metadata (health checks stay open)."""
-
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}"
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, details):
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return continuation(details)
-        if dict(details.invocation_metadata).get("authorization") != self.expected:
-            return self._deny
-        return continuation(details)
 
 
 @dataclass
@@ -195,22 +185,23 @@ def start_worker(
     tls: tuple[bytes, bytes] | None = None,
     max_threads: int = 64,
 ) -> WorkerServer:
-    """Start the engine loop and a gRPC server on ``host:port`` (0 = any free port)."""
-    interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads), interceptors=interceptors)
+    """Start the engine loop and a gRPC server on ``host:port`` (0 = any free port).
+    ``auth_token`` is the worker token the scheduler sends; ``BindError`` when the port is in use
+    or invalid (nothing is started then)."""
+    interceptors = [TokenAuth({auth_token: "scheduler"})] if auth_token else []
+    server = new_server(max_threads, interceptors)
     pb_grpc.add_WorkerServicer_to_server(WorkerServicer(engine, model_name), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if tls is not None:
-        credentials = grpc.ssl_server_credentials([(tls[1], tls[0])])  # (key, cert)
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise ValueError(f"cannot bind {host}:{port}")
-    metrics = WorkerMetrics(engine.config.worker_id)
+    credentials = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls is not None else None  # (key, cert)
+    bound = bind(server, host, port, credentials)
+    metrics = WorkerMetrics(engine.config.worker_id, used_bytes=engine.used_bytes)
     engine.on_step = metrics.on_step
-    metrics_bound = metrics.serve(metrics_port, host) if metrics_port is not None else None
+    try:
+        metrics_bound = metrics.serve(metrics_port, host) if metrics_port is not None else None
+    except OSError as err:
+        server.stop(0)
+        raise BindError(f"cannot serve metrics on {host}:{metrics_port}: {err}") from None
     engine.start()
     server.start()
     for name in ("", SERVICE_NAME):

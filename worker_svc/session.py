@@ -16,6 +16,7 @@ import torch
 
 from confkv.policies import CachePolicy
 from confkv.sequence import SequenceCache
+from worker_svc.output import Detokenizer
 from worker_svc.types import (
     ChatMessage,
     SessionReport,
@@ -62,7 +63,6 @@ class Session:
     transcript: list[ChatMessage]
     seq: SequenceCache | None = None
     fed_ids: list[int] = field(default_factory=list)
-    reserved_bytes: int = 0
     state: SessionState = SessionState.IDLE
     turn: Turn | None = None
     last_used: float = field(default_factory=time.monotonic)
@@ -72,19 +72,20 @@ class Session:
         return self.seq.nbytes() if self.seq is not None else 0
 
     def release_kv(self) -> int:
-        """Free the cache (the transcript stays; the next turn rebuilds it). Returns freed bytes."""
+        """Free the cache (the transcript stays; the next turn rebuilds it). Returns freed bytes.
+        The engine gives back the session's pool reservation at the same time."""
         freed = self.nbytes()
-        self.seq, self.fed_ids, self.reserved_bytes = None, [], 0
+        self.seq, self.fed_ids = None, []
         return freed
 
-    def report(self) -> SessionReport:
+    def report(self, reserved_bytes: int) -> SessionReport:
         seq = self.seq
         return SessionReport(
             session_id=self.session_id,
             policy=self.policy.spec(),
             state=self.state,
             kv_bytes=self.nbytes(),
-            reserved_bytes=self.reserved_bytes,
+            reserved_bytes=reserved_bytes,
             peak_bytes=seq.stats.peak_bytes if seq else 0,
             budget_tokens=seq.budget if seq and self.policy.evicts else 0,
             cached_tokens=len(seq.stores[0]) if seq else 0,
@@ -103,6 +104,7 @@ class Turn:
     max_new_tokens: int  # after the context cap
     context_capped: bool
     reserve_bytes: int
+    output: Detokenizer  # the reply's text deltas and committed text
     enqueued_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0
     pending: list[int] = field(default_factory=list)  # prompt tokens still to feed
@@ -110,7 +112,6 @@ class Turn:
     fed: list[int] = field(default_factory=list)  # tokens fed during this turn
     generated: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (V,) next-token logits once the prompt is in
-    emitted_text: str = ""
     generator: torch.Generator | None = None
 
     @property

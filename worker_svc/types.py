@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from confkv import limits
+
 
 class WorkerError(Exception):
     """Base of the errors a caller can act on (mapped to gRPC status codes by the servicer)."""
@@ -49,8 +51,7 @@ class EngineConfig:
     max_queue: int = 64
     prefill_chunk: int = 256
     default_max_new_tokens: int = 256
-    max_new_tokens_limit: int = 4096
-    max_message_chars: int = 32_000
+    max_new_tokens_limit: int = limits.MAX_NEW_TOKENS_LIMIT
     max_context_tokens: int = 8192
     default_policy: str = "confkv"
     worker_id: str = "worker"
@@ -58,13 +59,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         positive = (
             "kv_pool_bytes", "max_batch_size", "prefill_chunk", "default_max_new_tokens",
-            "max_new_tokens_limit", "max_message_chars", "max_context_tokens",
+            "max_new_tokens_limit", "max_context_tokens",
         )  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise ValueError(f"EngineConfig.max_queue must be >= 0, got {self.max_queue}")
+        if self.max_new_tokens_limit > limits.MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(f"EngineConfig.max_new_tokens_limit must be <= {limits.MAX_NEW_TOKENS_LIMIT}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError("EngineConfig.default_max_new_tokens exceeds max_new_tokens_limit")
 

@@ -106,6 +106,33 @@ def check_output_path(path: Path | str | None, flag: str) -> None:
         raise UsageError(f"{flag}: folder {folder} is not writable")
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0..65535 (0 = any free port); anything else is a usage error (exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 = any free port), got {value}")
+    return value
+
+
+def require_auth_off_loopback(host: str, has_credentials: bool, insecure: bool, what: str) -> None:
+    """Authentication is on by default outside loopback: binding another address without
+    credentials needs an explicit ``--insecure``."""
+    import ipaddress
+
+    try:
+        loopback = host in ("localhost",) or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not has_credentials and not insecure:
+        raise UsageError(
+            f"{what} would listen on {host} without authentication; set the token env var "
+            "(see --help) or pass --insecure to allow unauthenticated access"
+        )
+
+
 def policy_list(text: str) -> list[str]:
     """Comma-separated specs; a comma followed by key=value belongs to the previous spec."""
     specs: list[str] = []

@@ -44,7 +44,9 @@ def test_full_serves_two_together_and_queues_the_third_without_loss(stack):
     three = run_level(address, recorder, "full", 3, CONV, max_new=3, seed=10)
     assert not three["served_concurrently"]
     assert three["failed"] == 0 and three["turns"] == 6  # over capacity: it waits, nothing is lost
-    assert three["queued_notices"] > 0 and three["max_resident"] == 2
+    # at most two turns run at once (queued notices); an idle session may keep its KV beside them
+    # (turns reserve only their own context, and the worker frees idle KV under pressure)
+    assert three["queued_notices"] > 0 and three["max_resident"] >= 2
     assert three["steps_over_capacity"] == 0 and three["max_used_bytes"] <= three["capacity_bytes"]
 
 

@@ -10,7 +10,14 @@ import pytest
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import Scheduler
 from scheduler_svc.domain import Message, QueuedEvent, TokenEvent, TurnDone
-from scheduler_svc.errors import Conflict, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from scheduler_svc.errors import (
+    Conflict,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SchedulerError,
+    Unavailable,
+)
 from scheduler_svc.store import MemoryStore
 from tests.helpers import GEOMETRY, FakeWorker, reply_for
 
@@ -43,7 +50,8 @@ def test_multi_turn_conversation_is_recorded():
     assert first.turn == 1 and first.footprint_bytes == NEED
     second = run_turn(sched, session.session_id, "how are you")
     view = sched.get_session(session.session_id)
-    assert view.record.turns == 2 and view.state == "idle" and view.reserved_bytes == NEED
+    # idle: the KV stays on its worker, but no reservation is held between turns
+    assert view.record.turns == 2 and view.state == "idle" and view.reserved_bytes == 0
     assert [m.role for m in view.record.transcript] == ["system", "user", "assistant", "user", "assistant"]
     assert view.record.transcript[-1].content == second.result.reply
     assert sum(w.opens for w in workers) == 1  # the KV stayed on its worker between turns
@@ -93,12 +101,33 @@ def test_idle_ttl_releases_kv_but_keeps_the_transcript():
     assert second.turn == 2 and sched.get_session(sid).record.transcript[1].content == first.result.reply
 
 
+def running_turn(sched, workers, sid):
+    """Start a turn that holds its reservation until ``release()``; returns (thread, release)."""
+    gate = threading.Event()
+    for w in workers:
+        w.gate = gate
+    events: list = []
+    stream = sched.chat(sid, Message("user", "first turn holds the room"))
+    events.append(next(stream))  # the first token: placed and running
+    thread = threading.Thread(target=lambda: events.extend(stream))
+    thread.start()
+
+    def release():
+        gate.set()
+        thread.join(10)
+        for w in workers:
+            w.gate = None
+        return events
+
+    return release
+
+
 def test_admission_queues_when_full_and_admits_in_order():
     sched, workers = make(capacities=(NEED,), queue_limit=1, admission_timeout_s=5.0)
     a = sched.create_session(policy=POLICY).session_id
     b = sched.create_session(policy=POLICY).session_id
     c = sched.create_session(policy=POLICY).session_id
-    run_turn(sched, a, "first")
+    release = running_turn(sched, workers, a)
     waiting = sched.chat(b, Message("user", "second"))
     assert next(waiting) == QueuedEvent(1, f"waiting for {NEED} bytes of KV room")
     with pytest.raises(ResourceExhausted, match="queue is full"):
@@ -106,21 +135,58 @@ def test_admission_queues_when_full_and_admits_in_order():
     rest: list = []
     thread = threading.Thread(target=lambda: rest.extend(waiting))
     thread.start()
-    sched.end_session(a)  # frees the room: b is admitted
+    assert isinstance(release()[-1], TurnDone)  # a's turn ends: its reservation goes, b is admitted
     thread.join(10)
     assert isinstance(rest[-1], TurnDone) and workers[0].used() <= NEED
 
 
+def test_idle_sessions_hold_no_reservation():
+    """Room for one running turn, five sessions taking turns in sequence: nobody waits."""
+    sched, workers = make(capacities=(NEED,), admission_timeout_s=0.5)
+    sids = [sched.create_session(policy=POLICY).session_id for _ in range(5)]
+    for round_ in range(2):
+        for sid in sids:
+            assert run_turn(sched, sid, f"round {round_}").turn == round_ + 1
+    assert sched.stats().workers[0].reserved_bytes == 0
+
+
 def test_admission_times_out_and_never_fits():
-    sched, _ = make(capacities=(NEED,), admission_timeout_s=0.2)
+    sched, workers = make(capacities=(NEED,), admission_timeout_s=0.2)
     a = sched.create_session(policy=POLICY).session_id
     b = sched.create_session(policy=POLICY).session_id
-    run_turn(sched, a, "first")
+    release = running_turn(sched, workers, a)
     with pytest.raises(ResourceExhausted, match="after waiting"):
         list(sched.chat(b, Message("user", "second")))
-    huge = sched.create_session(policy="window:n=64").session_id
-    with pytest.raises(ResourceExhausted, match="largest worker pool"):
-        list(sched.chat(huge, Message("user", "x")))
+    release()
+    with pytest.raises(ResourceExhausted, match="could never run"):
+        sched.create_session(policy="window:n=64")
+
+
+def test_a_turn_cancelled_while_queued_leaves_the_queue_at_once():
+    sched, workers = make(capacities=(NEED,), queue_limit=1, admission_timeout_s=30.0)
+    a = sched.create_session(policy=POLICY).session_id
+    b = sched.create_session(policy=POLICY).session_id
+    release = running_turn(sched, workers, a)
+    gone = threading.Event()
+    waiting = sched.chat(b, Message("user", "second"), cancelled=gone)
+    assert isinstance(next(waiting), QueuedEvent)
+    errors: list = []
+
+    def consume():
+        try:
+            list(waiting)
+        except SchedulerError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    gone.set()
+    sched.cluster.wake()
+    thread.join(2)
+    assert not thread.is_alive() and errors and errors[0].code == "CANCELLED"
+    assert sched.stats().queued == 0
+    release()
+    assert run_turn(sched, b, "again").turn == 1  # the session is not locked
 
 
 def test_scheduler_restart_continues_from_the_store():
@@ -134,13 +200,15 @@ def test_scheduler_restart_continues_from_the_store():
     restarted = Scheduler(store, workers, SchedulerConfig(poll_interval_s=0.05))
     restarted.start(background=False)
     assert "orphan" not in orphan.sessions  # nobody owns it: dropped
-    second = run_turn(restarted, sid, "after restart")
-    assert second.worker == first.worker and sum(w.opens for w in workers) == 2  # 1 + the orphan
+    # the store is the truth: workers' copies are dropped at start and replayed from the store
+    assert all(sid not in w.sessions for w in workers)
+    run_turn(restarted, sid, "after restart")
+    assert sum(w.opens for w in workers) == 3  # 1 + the orphan + the replay
     assert restarted.get_session(sid).record.turns == 2
 
 
 def test_bad_input_is_rejected_before_any_work():
-    sched, workers = make()
+    sched, workers = make(default_policy=POLICY)
     with pytest.raises(InvalidArgument, match="unknown policy"):
         sched.create_session(policy="nope")
     with pytest.raises(InvalidArgument, match="no worker serves"):
@@ -148,14 +216,15 @@ def test_bad_input_is_rejected_before_any_work():
     with pytest.raises(InvalidArgument, match="role"):
         sched.create_session(messages=[Message("robot", "x")])
     sid = sched.create_session(policy=POLICY).session_id
-    for text, match in [("", "empty"), ("x" * 40_000, "longer")]:
+    for text, match in [("", "empty"), ("x" * 40_000, "exceeds the limit")]:
         with pytest.raises(InvalidArgument, match=match):
             sched.chat(sid, Message("user", text))
     with pytest.raises(InvalidArgument, match="max_new_tokens"):
         sched.chat(sid, Message("user", "hi"), max_new_tokens=-1)
-    with pytest.raises(InvalidArgument, match="temperature"):
-        sched.chat(sid, Message("user", "hi"), temperature=-1)
-    with pytest.raises(InvalidArgument, match="session_id"):
+    for bad in (-1, 1e-38, float("nan"), float("inf"), 5e-324):
+        with pytest.raises(InvalidArgument, match="temperature"):
+            sched.chat(sid, Message("user", "hi"), temperature=bad)
+    with pytest.raises(InvalidArgument, match="session id"):
         sched.chat("", Message("user", "hi"))
     with pytest.raises(NotFound):
         sched.chat("no-such-session", Message("user", "hi"))
@@ -185,3 +254,43 @@ def test_all_workers_down_is_unavailable_then_recovers():
     workers[0].dead = False
     sched.tick()
     assert run_turn(sched, sid, "hi").worker == workers[0].address
+
+
+def test_sessions_belong_to_their_principal():
+    sched, _ = make()
+    mine = sched.create_session(policy=POLICY, principal="alice").session_id
+    assert run_turn(sched, mine, "hi", principal="alice").turn == 1
+    for call in (
+        lambda: sched.get_session(mine, "bob"),
+        lambda: sched.chat(mine, Message("user", "inject"), principal="bob"),
+        lambda: sched.end_session(mine, "bob"),
+    ):
+        with pytest.raises(NotFound):
+            call()
+    assert [v.record.session_id for v in sched.list_sessions(principal="alice")] == [mine]
+    assert sched.list_sessions(principal="bob") == []
+    assert sched.get_session(mine, "alice").record.turns == 1
+
+
+def test_a_retried_request_id_is_answered_from_the_store():
+    sched, workers = make()
+    sid = sched.create_session(policy=POLICY).session_id
+    first = run_turn(sched, sid, "once only", request_id="req-1")
+    events = list(sched.chat(sid, Message("user", "once only"), request_id="req-1"))
+    assert len(events) == 1 and events[0].replayed and events[0].turn == first.turn
+    assert events[0].result.reply == first.result.reply
+    assert sched.get_session(sid).record.turns == 1
+
+
+def test_workers_are_reconciled_after_a_blip():
+    """A worker marked down and back keeps nothing the scheduler did not place there."""
+    sched, workers = make(capacities=(10 * NEED,))
+    sid = sched.create_session(policy=POLICY).session_id
+    run_turn(sched, sid, "hello")
+    workers[0].dead = True
+    sched.tick()  # marked down: the scheduler forgets the placement
+    sched.end_session(sid)  # nobody to tell now
+    workers[0].dead = False
+    assert sid in workers[0].sessions
+    sched.tick()  # back: reconciled
+    assert workers[0].sessions == {} and workers[0].used() == 0

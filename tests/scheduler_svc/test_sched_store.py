@@ -42,7 +42,7 @@ def test_round_trip_and_turns(store):
     got = store.get(rec.session_id)
     assert (got.model, got.policy, got.turns, got.transcript) == ("tiny", "window:n=64", 0, rec.transcript)
     turn = [Message("user", "hi"), Message("assistant", "hello ✓")]
-    assert store.append_turn(rec.session_id, 0, turn, "w1:1", 4096, 2.0) == 1
+    assert store.append_turn(rec.session_id, 0, turn, "w1:1", 4096, 2.0).turn == 1
     got = store.get(rec.session_id)
     assert got.transcript == rec.transcript + turn
     assert (got.turns, got.worker, got.footprint_bytes, got.updated_at) == (1, "w1:1", 4096, 2.0)
@@ -59,8 +59,8 @@ def test_placement_list_count_delete(store):
     store.set_placement(recs[0].session_id, "w2:2", 123)
     got = store.get(recs[0].session_id)
     assert (got.worker, got.footprint_bytes) == ("w2:2", 123)
-    assert [r.session_id for r in store.list(2)] == [recs[2].session_id, recs[1].session_id]
-    assert [r.session_id for r in store.list(2, offset=2)] == [recs[0].session_id]
+    assert [r.session_id for r in store.list("", 2)] == [recs[2].session_id, recs[1].session_id]
+    assert [r.session_id for r in store.list("", 2, offset=2)] == [recs[0].session_id]
     assert store.count() == 3
     assert store.delete(recs[0].session_id) is True
     assert store.delete(recs[0].session_id) is False
@@ -74,7 +74,7 @@ def test_placement_list_count_delete(store):
 
 def test_unreachable_redis_is_unavailable_with_a_clear_message():
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
-    with pytest.raises(StoreUnavailable, match="session store unreachable"):
+    with pytest.raises(StoreUnavailable, match="session store unavailable.*nothing was changed"):
         store.get("abc")
     with pytest.raises(StoreUnavailable):
         store.create(record())
@@ -93,7 +93,59 @@ def test_store_recovers_when_redis_comes_back():
             store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, 1.0)
         server.start()  # --save '': data is gone, but the client reconnects by itself
         store.create(rec)
-        assert store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, 1.0) == 1
+        assert store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, 1.0).turn == 1
     finally:
         store.close()
         server.stop()
+
+
+def test_a_request_id_is_recorded_once_and_sessions_are_scoped_to_owners(store):
+    mine, theirs = record(), record()
+    mine.owner, theirs.owner = "alice", "bob"
+    store.create(mine)
+    store.create(theirs)
+    turn = [Message("user", "hi"), Message("assistant", "hello")]
+    first = store.append_turn(mine.session_id, 0, turn, "w:1", 10, 1.0, request_id="r1")
+    again = store.append_turn(mine.session_id, 0, turn, "w:1", 10, 2.0, request_id="r1")
+    assert (first.turn, first.replayed, again.turn, again.replayed) == (1, False, 1, True)
+    assert store.get(mine.session_id).turns == 1 and len(store.get(mine.session_id).transcript) == 2
+    assert store.recorded(mine.session_id, "r1").reply == "hello"
+    assert store.recorded(mine.session_id, "r2") is None
+    assert [r.session_id for r in store.list("alice")] == [mine.session_id]
+    assert [r.session_id for r in store.list("bob")] == [theirs.session_id]
+    assert store.list("mallory") == []
+    assert store.get(mine.session_id).owner == "alice"
+
+
+def test_memory_sessions_expire_after_the_retention():
+    now = [100.0]
+    store = MemoryStore(retention_s=10.0, clock=lambda: now[0])
+    rec = record()
+    store.create(rec)
+    now[0] += 9.0
+    store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, now[0])  # a write refreshes it
+    now[0] += 9.0
+    assert store.get(rec.session_id).turns == 1
+    now[0] += 11.0
+    with pytest.raises(NotFound):
+        store.get(rec.session_id)
+
+
+@pytest.mark.redis
+def test_redis_keys_carry_the_retention_ttl():
+    client = shared_redis_or_skip()
+    prefix = unique_prefix()
+    store = RedisStore("redis://127.0.0.1:6379/0", prefix=prefix, retention_s=1000)
+    try:
+        rec = record(transcript=[Message("system", "s")])
+        store.create(rec)
+        store.append_turn(rec.session_id, 0, [Message("user", "x")], "", 0, 1.0, request_id="r")
+        for key in (
+            f"{prefix}s:{rec.session_id}",
+            f"{prefix}t:{rec.session_id}",
+            f"{prefix}q:{rec.session_id}",
+        ):
+            assert 0 < client.ttl(key) <= 1000, key
+    finally:
+        store.close()
+        delete_prefix(client, prefix)

@@ -186,13 +186,13 @@ def test_drop_frees_everything(make_engine):
         (lambda e: e.open_session("ok", "full", []), SessionExists),
         (lambda e: e.submit(TurnRequest("ghost", user("hi"))), SessionNotFound),
         (lambda e: e.submit(TurnRequest("ok", user("   "))), InvalidRequest),
-        (lambda e: e.submit(TurnRequest("ok", user("x" * 5000))), InvalidRequest),
+        (lambda e: e.submit(TurnRequest("ok", user("x" * 32_001))), InvalidRequest),
         (lambda e: e.submit(TurnRequest("ok", (ChatMessage("robot", "hi"),))), InvalidRequest),
         (lambda e: e.submit(TurnRequest("ok", user("hi"), max_new_tokens=-1)), InvalidRequest),
     ],
 )
 def test_bad_input_raises_domain_errors(make_engine, call, error):
-    engine = make_engine(max_message_chars=4000)
+    engine = make_engine()
     engine.open_session("ok", "full", [])
     with pytest.raises(error):
         call(engine)

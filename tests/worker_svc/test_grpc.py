@@ -15,6 +15,7 @@ from confkv_proto import worker_pb2 as pb
 from confkv_proto import worker_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from confkv.limits import MAX_MESSAGE_CHARS
 from worker_svc.server import start_worker
 
 USER = "user"
@@ -64,7 +65,7 @@ def check_errors_and_still_serving(stub, policy: str, max_chars: int) -> None:
 
 @pytest.fixture
 def tiny_worker(make_engine):
-    engine = make_engine(kv_pool_bytes=400_000, max_message_chars=2000, max_new_tokens_limit=4096)
+    engine = make_engine(kv_pool_bytes=400_000, max_new_tokens_limit=4096)
     worker = start_worker(engine, "tiny-bytes", port=0)
     channel = grpc.insecure_channel(worker.address)
     yield worker, pb_grpc.WorkerStub(channel), channel
@@ -98,7 +99,7 @@ def test_tiny_stream_footprint_and_health(tiny_worker):
 
 def test_tiny_bad_input_codes_and_worker_keeps_serving(tiny_worker):
     _, stub, _ = tiny_worker
-    check_errors_and_still_serving(stub, "confkv:n_high=32,n_low=16,p=4,s=2", 2000)
+    check_errors_and_still_serving(stub, "confkv:n_high=32,n_low=16,p=4,s=2", MAX_MESSAGE_CHARS)
 
 
 def test_tiny_cancel_mid_stream_frees_memory(tiny_worker):
@@ -140,7 +141,7 @@ def test_auth_token_is_required_when_configured(make_engine):
 def smol_worker():
     from worker_svc.app import create_engine
 
-    engine = create_engine("smollm2", kv_pool_bytes=64 << 20, prefill_chunk=128, max_message_chars=4000)
+    engine = create_engine("smollm2", kv_pool_bytes=64 << 20, prefill_chunk=128)
     worker = start_worker(engine, "smollm2", port=0)
     channel = grpc.insecure_channel(worker.address)
     yield worker, pb_grpc.WorkerStub(channel)
@@ -187,7 +188,7 @@ def test_smollm2_cancel_mid_stream_frees_memory(smol_worker):
 @pytest.mark.smollm2
 def test_smollm2_bad_input_codes_and_worker_keeps_serving(smol_worker):
     _, stub = smol_worker
-    check_errors_and_still_serving(stub, "window:n=64", 4000)
+    check_errors_and_still_serving(stub, "window:n=64", MAX_MESSAGE_CHARS)
 
 
 def test_graceful_stop_finishes_or_cancels_in_flight_streams(make_engine):
