@@ -65,6 +65,18 @@ def hot_lse(store: LayerStore, q: torch.Tensor, scaling: float) -> torch.Tensor:
     return (torch.bmm(qg, keys.transpose(1, 2)) * scaling).logsumexp(-1).reshape(hq, m)
 
 
+def hot_mass(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(n,) attention mass the queries q (Hq, M, D) give each hot token (``meta`` order), summed
+    over heads and queries."""
+    k8, k8s, _, _, kf, _ = store.kv_views()
+    keys = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
+    hq, m, d = q.shape
+    hkv = keys.shape[0]
+    qg = q.float().reshape(hkv, (hq // hkv) * m, d)
+    logits = torch.bmm(qg, keys.transpose(1, 2)) * scaling - lse.reshape(hkv, -1, 1)
+    return logits.exp().sum(dim=(0, 1))
+
+
 def choose_pages(scores: torch.Tensor, counts: torch.Tensor, room: int) -> torch.Tensor:
     """Best-scored live pages, best first, while their token counts fit in ``room`` -> slots."""
     order = scores.argsort(descending=True)
@@ -87,6 +99,7 @@ class RecallTier:
         self.recalled_tokens = 0
         self.trigger_steps = 0
         self.votes: dict[int, float] = {}  # page id -> attention mass summed over layers (probe)
+        self.hot_mass: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (pos, probe mass)
         slot = geometry.int8_token_bytes if policy.int8 else geometry.fp_token_bytes
         self.slot_bytes = slot
         floor = policy.n_low if isinstance(policy, GatedPolicy) else policy.budget_rule().peak
@@ -127,7 +140,18 @@ class RecallTier:
         return fire
 
     def swap_tokens(self, layer_budget: int) -> int:
-        return self.policy.rtok or max(1, layer_budget // 4)
+        return self.policy.rtok or max(self.policy.page, layer_budget // 16)
+
+    def probe_favourites(self, layer: int, store: LayerStore, count: int) -> torch.Tensor:
+        """(n,) mask over ``store``'s tokens (``meta`` order): the ``count`` hot tokens the probe
+        attended most in this layer (a swap must not evict what the question reads)."""
+        positions = store.meta("pos")
+        mask = torch.zeros_like(positions, dtype=torch.bool)
+        if layer not in self.hot_mass or count <= 0:
+            return mask
+        pos, mass = self.hot_mass[layer]
+        best = pos[mass.topk(min(count, mass.shape[0])).indices]
+        return torch.isin(positions, best.to(positions.device))
 
     # -- store hooks ------------------------------------------------------------------------------------
     def add_evicted(self, layer: int, tokens: dict[str, torch.Tensor]) -> int:
@@ -147,6 +171,7 @@ class RecallTier:
             return
         q_obs = q[:, -self.policy.obs :]
         lse = hot_lse(store, q_obs, scaling)  # (Hq, M)
+        self.hot_mass[layer] = (store.meta("pos"), hot_mass(store, q_obs, lse, scaling))
         hq, m, d = q_obs.shape
         hkv = cold.k8.shape[1]
         pd = cold.payload_device

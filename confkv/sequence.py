@@ -237,10 +237,13 @@ class SequenceCache:
         if tier is None:
             return 0
         tier.mode = RecallMode.SWAP
-        n = sum(
-            self._bring_back(layer, tier.take_voted(layer, self.stores[layer], self._recall_room(layer)))
-            for layer in range(len(self.stores))
-        )
+        n = 0
+        for layer, store in enumerate(self.stores):
+            room = self._recall_room(layer)
+            keep = tier.probe_favourites(layer, store, 2 * room)
+            store.pin(keep, store.next_pos + self.policy.hold)
+            n += self._bring_back(layer, tier.take_voted(layer, store, room))
         tier.votes.clear()
+        tier.hot_mass.clear()
         tier.mode = RecallMode.NONE
         return n

@@ -205,6 +205,14 @@ class LayerStore:
             return parts[0]
         return {name: torch.cat([p[name] for p in parts], dim=self.q.axis[name]) for name in parts[0]}
 
+    def pin(self, mask: torch.Tensor, until: int) -> None:
+        """Pin tokens where ``mask`` (n,) is True (``meta`` order) until position ``until``."""
+        n_q = self.q.n
+        for part, m in ((self.q, mask[:n_q]), (self.fp, mask[n_q:])):
+            if bool(m.any()):
+                pins = part.view("pin")
+                pins[m] = torch.clamp_min(pins[m], until)
+
     def insert_int8(self, tokens: dict[str, torch.Tensor]) -> None:
         """Add INT8 tokens (the ``take_int8`` layout, ``pin`` included) to the INT8 slots."""
         self.q.append(tokens)

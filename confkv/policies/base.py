@@ -33,7 +33,8 @@ class CachePolicy:
     evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped. At the
     end of every prompt / new turn the last ``obs`` prompt tokens probe the cold tokens in every
     layer and the pages with the most attention mass (summed over layers), up to ``rtok`` tokens
-    (0: a quarter of the layer budget), are swapped in. On decode steps ``trigger`` decides:
+    (0: a sixteenth of the layer budget, at least a page), are swapped in. On decode steps
+    ``trigger`` decides:
     ``gate`` (confkv: an unsure step fills the n_high - n_low room with the pages whose key
     bounds score best), ``random`` (steps drawn at ``rate``), ``every`` (every ``every`` steps)
     or ``prompt`` (prompt ends only). Recalled tokens are pinned for ``hold`` positions.
