@@ -61,7 +61,10 @@ def test_recall_needs_matplotlib_only_for_its_plot(monkeypatch, tmp_path, capsys
     _without(monkeypatch, "matplotlib")
     data = tmp_path / "items.jsonl"
     data.write_text("")
-    argv = ["eval", "recall", "--data", str(data), "--json", str(tmp_path / "o.json"), "--model", "/none"]
+    model = tmp_path / "model"  # a folder that passes the up-front model check, then fails to load
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["eval", "recall", "--data", str(data), "--json", str(tmp_path / "o.json"), "--model", str(model)]
     assert main([*argv, "--trace-plot", str(tmp_path / "p.png")]) == 2
     assert "confkv[eval]" in capsys.readouterr().err
     assert main(argv) == 2  # gets past the extras check, fails on the model instead
