@@ -55,7 +55,13 @@ def run_demo(address: str, token: str | None, policy: str, max_new_tokens: int, 
         stats = client.stats()
         for w in stats.workers:
             f = w.footprint
-            print(f"worker {w.address}: KV {f.used_bytes} / {f.capacity_bytes} bytes in use", file=out)
+            # the scheduler's view, polled every few hundred ms: it can lag the turn's own figure
+            # (the session's KV at its last token, printed with each reply above)
+            print(
+                f"worker {w.address}: KV {f.used_bytes} / {f.capacity_bytes} bytes in use "
+                "(its last footprint report to the scheduler, all sessions)",
+                file=out,
+            )
         client.end_session(session.session_id)
     finally:
         client.close()
