@@ -292,29 +292,22 @@ def free_port() -> int:
 class PrivateRedis:
     """``redis-server --port P --save ''`` that a test may stop and start again (same port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, aof_folder: Path | None = None) -> None:
+        """``aof_folder``: keep an append-only file there (fsync always), so a restart recovers."""
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.aof_folder = aof_folder
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--bind",
-                "127.0.0.1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        if self.aof_folder is None:
+            args += ["--appendonly", "no"]
+        else:
+            args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.aof_folder)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 10
         while time.time() < deadline:
             try:

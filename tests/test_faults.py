@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +27,7 @@ from confkv_proto import worker_pb2_grpc as wpb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc.client import SchedulerClient
-from tests.helpers import WORKER_TOKEN, Proc, free_port, save_tiny_model
+from tests.helpers import WORKER_TOKEN, PrivateRedis, Proc, free_port, save_tiny_model
 
 pytestmark = pytest.mark.redis
 ALICE, BOB = "alice-token", "bob-token"
@@ -38,28 +36,11 @@ POOL = 40_000  # one running turn per worker
 ROWS: list[dict] = []
 
 
-class Redis:
+class Redis(PrivateRedis):
     """A redis-server of this test only: AOF (fsync always) in a temp dir; stop/pause/kill."""
 
     def __init__(self, folder: Path) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.skip("redis-server is not installed")
-        self.port, self.folder = free_port(), folder
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.folder)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        super().__init__(aof_folder=folder)
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
