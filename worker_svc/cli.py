@@ -22,6 +22,11 @@ def add_parser(sub) -> None:
         "--port", type=port_number, default=50061, help="0 = any free port; a port in use is refused"
     )
     p.add_argument("--kv-pool-bytes", default="256MiB", help="KV pool, e.g. 268435456, 256MiB, 2GB")
+    p.add_argument(
+        "--host-pool-bytes",
+        default=None,
+        help="host memory for the cold tiers of recall=1 sessions, e.g. 8GiB (default: no limit)",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="model dtype")
     p.add_argument("--policy", default="confkv", help="default policy spec for sessions that give none")
@@ -80,6 +85,8 @@ def run(args) -> int:
     )  # fmt: skip
     if args.max_context:
         config["max_context_tokens"] = args.max_context
+    if args.host_pool_bytes is not None:
+        config["host_pool_bytes"] = parse_bytes(args.host_pool_bytes)
     engine = create_engine(args.model, pool, device=args.device, dtype=args.dtype, **config)
     worker = start_worker(
         engine,

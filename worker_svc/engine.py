@@ -70,6 +70,7 @@ class Engine:
         self.geometry = KVGeometry.from_config(model.config, self.dtype)
         self.sessions: dict[str, Session] = {}
         self.pool = KVPool("hot", config.kv_pool_bytes)
+        self.host_pool = KVPool("host", config.host_pool_bytes or 1 << 62)  # cold tiers (recall=1)
         self.queue: collections.deque[Turn] = collections.deque()
         self.active: list[Turn] = []
         self.lock = threading.RLock()
@@ -121,6 +122,13 @@ class Engine:
                 f"the turn needs up to {reserve} KV bytes ({session.policy.spec()}, {len(ids)} + "
                 f"{capped} tokens); the pool holds {self.config.kv_pool_bytes}"
             )
+        cold_reserve = session.policy.worst_case_cold_bytes(self.geometry, len(ids) + capped)
+        if not self.host_pool.fits_alone(cold_reserve):
+            raise PoolExhausted(
+                f"the turn's cold tier needs up to {cold_reserve} host bytes ({session.policy.spec()}, "
+                f"{len(ids) + capped} tokens); the host pool holds {self.config.host_pool_bytes} "
+                "(raise --host-pool-bytes or bound the policy's cold tier with cold_bytes=N)"
+            )
         with self.lock:
             self._check_open()
             if self.sessions.get(request.session_id) is not session or session.turn is not None:
@@ -131,6 +139,7 @@ class Engine:
                 raise PoolExhausted(f"the wait queue is full ({self.config.max_queue} turns)")
             handle = TurnHandle(TurnRequest(request.session_id, messages, max_new, *_rest(request)))
             turn = Turn(session, handle, ids, capped, capped < max_new, reserve, Detokenizer(self.codec))
+            turn.cold_reserve_bytes = cold_reserve
             session.turn, session.state = turn, SessionState.QUEUED
             self.queue.append(turn)
             self.wakeup.notify_all()
@@ -325,11 +334,16 @@ class Engine:
                 (s for s in self.sessions.values() if s is not session and s.turn is None and s.seq),
                 key=lambda s: s.last_used,
             )
-            if not self.pool.reserve(
-                session.session_id, max(turn.reserve_bytes, session.nbytes()),
-                [s.session_id for s in idle], self._evict_idle,
-            ):  # fmt: skip
+            victims = [s.session_id for s in idle]
+            sid = session.session_id
+            if not self.host_pool.reserve(
+                sid, max(turn.cold_reserve_bytes, session.cold_nbytes()), victims, self._evict_idle
+            ):
                 return  # FIFO: wait until running turns finish and shrink their reservations
+            hot = max(turn.reserve_bytes, session.nbytes())
+            if not self.pool.reserve(sid, hot, victims, self._evict_idle):
+                self.host_pool.shrink(sid, session.cold_nbytes())
+                return
             self.queue.popleft()
             self._start(turn)
 
@@ -404,6 +418,7 @@ class Engine:
             session.transcript += [*turn.request.messages, ChatMessage("assistant", text)]
             session.fed_ids += turn.fed
             self.pool.shrink(session.session_id, session.nbytes())
+            self.host_pool.shrink(session.session_id, session.cold_nbytes())
         else:  # the cancelled turn is not committed: its KV goes, the transcript stays
             self._release_kv(session)
         session.turn, session.state, session.last_used = None, SessionState.IDLE, time.monotonic()
@@ -433,6 +448,7 @@ class Engine:
 
     def _release_kv(self, session: Session) -> int:
         self.pool.release(session.session_id)
+        self.host_pool.release(session.session_id)
         return session.release_kv()
 
     def _report(self, session: Session) -> SessionReport:

@@ -71,6 +71,10 @@ class Session:
     def nbytes(self) -> int:
         return self.seq.nbytes() if self.seq is not None else 0
 
+    def cold_nbytes(self) -> int:
+        """Bytes of the session's cold tier (host memory; 0 without recall)."""
+        return self.seq.cold_nbytes() if self.seq is not None else 0
+
     def release_kv(self) -> int:
         """Free the cache (the transcript stays; the next turn rebuilds it). Returns freed bytes.
         The engine gives back the session's pool reservation at the same time."""
@@ -105,6 +109,7 @@ class Turn:
     context_capped: bool
     reserve_bytes: int
     output: Detokenizer  # the reply's text deltas and committed text
+    cold_reserve_bytes: int = 0  # host-pool bytes the turn may need (recall=1 cold tier)
     enqueued_at: float = field(default_factory=time.perf_counter)
     started_at: float = 0.0
     pending: list[int] = field(default_factory=list)  # prompt tokens still to feed

@@ -55,12 +55,15 @@ class EngineConfig:
     max_context_tokens: int = 8192
     default_policy: str = "confkv"
     worker_id: str = "worker"
+    host_pool_bytes: int | None = None  # cold tiers (recall=1) in host memory; None: no limit
 
     def __post_init__(self) -> None:
         positive = (
             "kv_pool_bytes", "max_batch_size", "prefill_chunk", "default_max_new_tokens",
             "max_new_tokens_limit", "max_context_tokens",
         )  # fmt: skip
+        if self.host_pool_bytes is not None and self.host_pool_bytes <= 0:
+            raise ValueError(f"host_pool_bytes must be positive, got {self.host_pool_bytes}")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")

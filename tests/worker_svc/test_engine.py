@@ -229,3 +229,24 @@ def test_ignore_eos_generates_exactly_max_new_tokens(make_engine):
             lengths[sid] = (done.reason, done.generated_tokens)
     forced = [v for k, v in lengths.items() if k.startswith("e1")]
     assert all(reason is FinishReason.MAX_TOKENS and n == 40 for reason, n in forced)
+
+
+def test_host_pool_for_cold_tiers_is_never_exceeded(make_engine):
+    """recall=1 sessions reserve their worst-case cold tier in the host pool; the cold bytes in
+    use never exceed it, turns that would not fit wait, and one that never fits is refused."""
+    spec = "window:n=24,recall=1,page=8"
+    engine = make_engine(host_pool_bytes=60_000, max_queue=16)
+    seen = []
+    engine.on_step = lambda st: seen.append(sum(s.cold_nbytes() for s in engine.sessions.values()))
+    handles = []
+    for i in range(3):
+        engine.open_session(f"c{i}", spec, [])
+        handles.append(engine.submit(TurnRequest(f"c{i}", user(PROMPTS[i % 4] * 2), max_new_tokens=8)))
+    engine.run_until_idle()
+    assert seen and max(seen) <= 60_000 and max(seen) > 0
+    assert all(events_of(h)[1].reason in (FinishReason.EOS, FinishReason.MAX_TOKENS) for h in handles)
+    assert engine.host_pool.reserved_bytes <= 60_000
+    tiny = make_engine(host_pool_bytes=1_000)
+    tiny.open_session("big", spec, [])
+    with pytest.raises(PoolExhausted, match="host pool holds 1000"):
+        tiny.submit(TurnRequest("big", user(PROMPTS[0] * 3), max_new_tokens=8))
