@@ -322,3 +322,18 @@ class PrivateRedis:
             self.proc.terminate()
             self.proc.wait(10)
             self.proc = None
+
+
+def byte_llama(seed: int = 0):
+    """A tiny random Llama over the byte codec's vocabulary (worker tests, fuzz tests)."""
+    from confkv.attention import enable
+    from worker_svc.codec import ByteChatCodec
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=ByteChatCodec.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    enable(model)
+    return model

@@ -21,28 +21,13 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.grpc_worker import GrpcWorkerClient
 from scheduler_svc.server import start_scheduler
 from scheduler_svc.store import MemoryStore
+from tests.helpers import byte_llama
 from worker_svc.codec import ByteChatCodec
 from worker_svc.engine import Engine
 from worker_svc.server import start_worker
 from worker_svc.types import EngineConfig
 
 CLIENT, WORKER = "fuzz-client", "fuzz-worker"
-
-
-def byte_llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from confkv.attention import enable
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=ByteChatCodec.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
-    enable(model)
-    return model
 
 
 ALLOWED = {
