@@ -62,12 +62,13 @@ def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int 
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: at least one token is needed")
     step = prefill_chunk_size(cache, chunk_size)
-    logits = torch.empty(0)
     total = input_ids.shape[1]
-    for start in range(0, total, step):
-        chunk = input_ids[:, start : start + step]
-        feed = prompt_end_forward if start + step >= total else forward
-        logits = feed(model, cache, chunk)[:, -1]
+    # the final chunk holds the whole observation window, so the probe sees the full question
+    last = total - step * ((total - 1) // step)  # the plain chunking's last chunk
+    tail = min(total, max(last, min(step, observation_window(cache))))
+    for start in range(0, total - tail, step):
+        forward(model, cache, input_ids[:, start : min(start + step, total - tail)])
+    logits = prompt_end_forward(model, cache, input_ids[:, total - tail :])[:, -1]
     cache.observe_logits(logits)
     return logits
 
@@ -95,7 +96,7 @@ def prompt_end_forward(model, cache: ConfKVCache, input_ids: torch.Tensor) -> to
     for seq, start in zip(sub.seqs, starts, strict=True):
         seq.arm(RecallMode.NONE)
         seq.rollback(start)
-        seq.recall_voted()
+        seq.recall_voted(incoming=probe)
     return forward(model, cache, tail)
 
 

@@ -32,6 +32,7 @@ from confkv.memory import KVGeometry
 from confkv.policies import CachePolicy, GatedPolicy
 from confkv.storage import LayerStore
 
+POOL = 7  # prompt-end importance is max-pooled over this many neighbouring positions
 SUMMARY_SHARE = 0.25  # page summaries may take at most this share of a layer's smallest budget
 
 
@@ -77,6 +78,12 @@ def hot_mass(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: flo
     return logits.exp().sum(dim=(0, 1))
 
 
+def cold_positions(cold: ColdStore) -> torch.Tensor:
+    """(P, S) the position each cold slot stands for (page id * S + offset; junk for free slots)."""
+    offsets = torch.arange(cold.page, device=cold.page_id.device)
+    return cold.page_id.clamp_min(0).unsqueeze(1) * cold.page + offsets
+
+
 def choose_pages(scores: torch.Tensor, counts: torch.Tensor, room: int) -> torch.Tensor:
     """Best-scored live pages, best first, while their token counts fit in ``room`` -> slots."""
     order = scores.argsort(descending=True)
@@ -98,8 +105,8 @@ class RecallTier:
         self.events: list[RecallEvent] = []
         self.recalled_tokens = 0
         self.trigger_steps = 0
-        self.votes: dict[int, float] = {}  # page id -> attention mass summed over layers (probe)
         self.hot_mass: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (pos, probe mass)
+        self.cold_mass: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (pos, probe mass)
         slot = geometry.int8_token_bytes if policy.int8 else geometry.fp_token_bytes
         self.slot_bytes = slot
         floor = policy.n_low if isinstance(policy, GatedPolicy) else policy.budget_rule().peak
@@ -142,17 +149,6 @@ class RecallTier:
     def swap_tokens(self, layer_budget: int) -> int:
         return self.policy.rtok or max(self.policy.page, layer_budget // 16)
 
-    def probe_favourites(self, layer: int, store: LayerStore, count: int) -> torch.Tensor:
-        """(n,) mask over ``store``'s tokens (``meta`` order): the ``count`` hot tokens the probe
-        attended most in this layer (a swap must not evict what the question reads)."""
-        positions = store.meta("pos")
-        mask = torch.zeros_like(positions, dtype=torch.bool)
-        if layer not in self.hot_mass or count <= 0:
-            return mask
-        pos, mass = self.hot_mass[layer]
-        best = pos[mass.topk(min(count, mass.shape[0])).indices]
-        return torch.isin(positions, best.to(positions.device))
-
     # -- store hooks ------------------------------------------------------------------------------------
     def add_evicted(self, layer: int, tokens: dict[str, torch.Tensor]) -> int:
         """Evicted tokens go cold; returns the tokens the bounded cold tier had to drop."""
@@ -163,34 +159,76 @@ class RecallTier:
         return cold.drop_to(self.max_pages[layer], self.max_cold_tokens)
 
     def vote(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
-        """Prompt-end probe: exact attention mass the last ``obs`` queries of q (Hq, M, D) would
-        give each cold token (relative to the hot set), max per page, summed into ``votes``
-        across layers. Reads the cold keys (not values) once per prompt end."""
-        cold = self.cold[layer]
-        if cold.n_tokens == 0:
-            return
+        """Prompt-end probe: exact attention mass the last ``obs`` queries of q (Hq, M, D) give
+        each hot and each cold token of ``layer`` (relative to the hot set), kept for
+        ``importance``. Reads the cold keys (not values) once per prompt end."""
         q_obs = q[:, -self.policy.obs :]
         lse = hot_lse(store, q_obs, scaling)  # (Hq, M)
         self.hot_mass[layer] = (store.meta("pos"), hot_mass(store, q_obs, lse, scaling))
+        cold = self.cold[layer]
+        if cold.n_tokens == 0:
+            return
         hq, m, d = q_obs.shape
         hkv = cold.k8.shape[1]
         pd = cold.payload_device
         keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
         qg = q_obs.float().to(pd).reshape(hkv, (hq // hkv) * m, d)
         logits = torch.einsum("hqd,phsd->phqs", qg, keys) * scaling - lse.to(pd).reshape(1, hkv, -1, 1)
-        mass = logits.exp().sum(dim=(1, 2)).masked_fill(~cold.valid, 0.0).amax(1)  # (P,)
-        for pid, value in zip(cold.page_id.tolist(), mass.tolist(), strict=True):
-            if pid >= 0:
-                self.votes[pid] = self.votes.get(pid, 0.0) + value
+        mass = logits.exp().sum(dim=(1, 2)).masked_fill(~cold.valid, 0.0)  # (P, S)
+        self.cold_mass[layer] = (cold_positions(cold)[cold.valid], mass[cold.valid])
 
-    def take_voted(self, layer: int, store: LayerStore, room: int):
-        """After a probe: the best-voted pages of ``layer`` that fit in ``room`` tokens."""
+    def importance(self, length: int) -> torch.Tensor:
+        """(length,) float32: the probe's attention to every position, each layer's share
+        (hot and cold tokens, normalized to sum 1 per layer) summed over layers, then max-pooled
+        over ``POOL`` neighbouring positions (SnapKV: a salient token brings its neighbours)."""
+        device = next(iter(self.hot_mass.values()))[0].device if self.hot_mass else torch.device("cpu")
+        g = torch.zeros(length, dtype=torch.float32, device=device)
+        for layer, (pos, mass) in self.hot_mass.items():
+            parts = [(pos, mass)]
+            if layer in self.cold_mass:
+                cpos, cmass = self.cold_mass[layer]
+                parts.append((cpos.to(device), cmass.to(device)))
+            total = sum(float(m.sum()) for _, m in parts)
+            for p, m in parts:  # the probe's own (rolled back) positions are left out
+                inside = p < length
+                g.index_add_(0, p[inside], m[inside].float() / max(total, 1e-12))
+        if POOL > 1 and length:
+            g = torch.nn.functional.max_pool1d(g.view(1, 1, -1), POOL, 1, POOL // 2).view(-1)
+        return g
+
+    def reselect(
+        self, layer: int, store: LayerStore, g: torch.Tensor, protected: torch.Tensor, capacity: int, max_recall: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt-end re-selection of ``layer``'s hot set by the probe's importance ``g``.
+        Hot tokens (one slot each) and cold pages (``max_recall`` tokens at most, whole pages)
+        compete for ``capacity`` slots in order of importance (a page counts as its most
+        important token). -> (mask over hot tokens (``meta`` order) to keep, cold slots to take)."""
+        pos = store.meta("pos")
+        hot_score = g[pos].masked_fill(protected, float("-inf"))
         cold = self.cold[layer]
-        if room <= 0 or cold.n_tokens == 0 or not self.votes:
-            return None
-        missing = float("-inf")
-        scores = torch.tensor([self.votes.get(pid, missing) for pid in cold.page_id.tolist()])
-        return self._take(layer, store, choose_pages(scores.to(cold.device), cold.page_counts(), room))
+        if cold.n_tokens:
+            cpos = cold_positions(cold).clamp_max(g.shape[0] - 1)
+            page_score = g.to(cold.payload_device)[cpos].masked_fill(~cold.valid, float("-inf")).amax(1)
+            page_score = page_score.masked_fill(cold.page_id < 0, float("-inf")).to(g.device)
+            counts = cold.page_counts()
+            cand = choose_pages(page_score, counts, max_recall)
+        else:
+            page_score = torch.zeros(0, device=g.device)
+            counts = torch.zeros(0, dtype=torch.long, device=g.device)
+            cand = torch.zeros(0, dtype=torch.long, device=g.device)
+        movable = (~protected).nonzero().view(-1)
+        scores = torch.cat([hot_score[movable], page_score[cand]])
+        costs = torch.cat([torch.ones_like(movable), counts[cand].to(movable.device)])
+        order = scores.argsort(descending=True)
+        chosen = order[costs[order].cumsum(0) <= capacity]
+        keep = protected.clone()
+        keep[movable[chosen[chosen < movable.numel()]]] = True
+        slots = cand[chosen[chosen >= movable.numel()] - movable.numel()]
+        return keep, slots
+
+    def clear_probe(self) -> None:
+        self.hot_mass.clear()
+        self.cold_mass.clear()
 
     def take(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float, room: int):
         """Score layer ``layer``'s cold pages by their key bounds against the obs queries of
@@ -202,15 +240,17 @@ class RecallTier:
         scores = cold.scores(q_obs, hot_lse(store, q_obs, scaling), scaling)
         return self._take(layer, store, choose_pages(scores, cold.page_counts(), room))
 
-    def _take(self, layer: int, store: LayerStore, slots: torch.Tensor):
-        """Remove pages ``slots`` from the cold tier -> their tokens, pinned for ``hold``."""
+    def _take(self, layer: int, store: LayerStore, slots: torch.Tensor, until: int | None = None):
+        """Remove pages ``slots`` from the cold tier -> their tokens, pinned until position
+        ``until`` (default: ``hold`` positions from now)."""
         cold = self.cold[layer]
         device = store.fp.t["pos"].device
         if slots.numel() == 0:
             return None
         tokens = cold.take(slots)
         n = tokens["pos"].shape[0]
-        tokens["pin"] = torch.full((n,), store.next_pos + self.policy.hold, dtype=torch.long, device=device)
+        until = store.next_pos + self.policy.hold if until is None else until
+        tokens["pin"] = torch.full((n,), until, dtype=torch.long, device=device)
         self.recalled_tokens += n
         self.events.append(RecallEvent(store.next_pos, layer, self.mode.value, int(slots.numel()), n))
         return tokens

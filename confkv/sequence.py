@@ -219,7 +219,7 @@ class SequenceCache:
         self._refresh_bytes(layer)
         return n
 
-    # -- prompt end: probe, roll back, recall by votes --------------------------------------------------
+    # -- prompt end: probe, roll back, re-select hot sets by the probe ------------------------------------
     def arm(self, mode: RecallMode) -> None:
         if self.tier is not None:
             self.tier.mode = mode
@@ -231,19 +231,29 @@ class SequenceCache:
             store.next_pos = start
             self._refresh_bytes(layer)
 
-    def recall_voted(self) -> int:
-        """Swap the best-voted pages into every layer (votes summed over layers), then clear."""
+    def recall_voted(self, incoming: int = 0) -> int:
+        """After a probe (rolled back; ``incoming`` prompt tokens are still to come): re-select
+        every layer's hot set by the probe's importance (``RecallTier.importance``, summed over
+        layers): the most important hot tokens and cold pages (at most ``rtok`` recalled
+        tokens) fill the slots the protected tokens and the incoming tail leave; they are
+        pinned for ``hold`` positions after the tail, and what they displace goes cold."""
         tier = self.tier
         if tier is None:
             return 0
         tier.mode = RecallMode.SWAP
+        g = tier.importance(self.seen_tokens)
+        until = self.seen_tokens + incoming + self.policy.hold
         n = 0
         for layer, store in enumerate(self.stores):
-            room = self._recall_room(layer)
-            keep = tier.probe_favourites(layer, store, 2 * room)
-            store.pin(keep, store.next_pos + self.policy.hold)
-            n += self._bring_back(layer, tier.take_voted(layer, store, room))
-        tier.votes.clear()
-        tier.hot_mass.clear()
+            budget = self.hot_budget(layer)
+            pos = store.meta("pos")
+            protect_from = self.seen_tokens + incoming - self.policy.protected
+            protected = (pos >= protect_from) | (pos < self.policy.s)
+            capacity = budget - int(protected.sum()) - incoming
+            keep, slots = tier.reselect(layer, store, g, protected, capacity, tier.swap_tokens(budget))
+            store.pin(keep & ~protected, until)
+            if slots.numel():
+                n += self._bring_back(layer, tier._take(layer, store, slots, until))
+        tier.clear_probe()
         tier.mode = RecallMode.NONE
         return n
