@@ -5,10 +5,19 @@ Everything else about the package is declared in pyproject.toml. The generator i
 """
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.warnings import InformationOnly
+
+# An editable install of folders imported under another name (kernels/ -> confkv_kernels,
+# proto/ -> confkv_proto: pyproject.toml's package-dir) goes through setuptools' meta path finder,
+# which then prints a ten-line "Editable installation" notice on every `pip install -e .`, even
+# with -q ("folders with the same name as your package may take precedence"; here the folder names
+# differ from the import names on purpose). Information only: hide that one notice, nothing else.
+warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
 
 
 def _codegen():

@@ -8,7 +8,8 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import Scheduler
 from scheduler_svc.grpc_worker import GrpcWorkerClient
 from scheduler_svc.server import SchedulerServer, start_scheduler
-from scheduler_svc.store import DEFAULT_RETENTION_S, MemoryStore, RedisStore, SessionStore
+from scheduler_svc.store import DEFAULT_RETENTION_S, MemoryStore, SessionStore
+from scheduler_svc.store_redis import RedisStore
 
 
 def make_store(

@@ -6,11 +6,15 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 
+import grpc
 from confkv_proto import scheduler_pb2 as pb
 from confkv_proto import scheduler_pb2_grpc as pb_grpc
 from confkv_proto import worker_pb2
 
 from scheduler_svc.security import auth_metadata, channel
+
+# the call may or may not have been applied: retry it with its request id
+UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class SchedulerClient:
@@ -21,14 +25,31 @@ class SchedulerClient:
         self.metadata = auth_metadata(token)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        import grpc
-
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
 
-    def create_session(self, policy: str = "", model: str = "", system: str = "") -> pb.Session:
+    def create_session(
+        self,
+        policy: str = "",
+        model: str = "",
+        system: str = "",
+        request_id: str | None = None,
+        retries: int = 2,
+    ) -> pb.Session:
+        """A new session. Sent with a request id (default: a fresh random one) and retried with it
+        up to ``retries`` times when the outcome is unknown (UNAVAILABLE, deadline): a reply lost on
+        the way back still makes exactly one session."""
         messages = [worker_pb2.ChatMessage(role="system", content=system)] if system else []
-        request = pb.CreateSessionRequest(policy=policy, model=model, messages=messages)
-        return self.stub.CreateSession(request, metadata=self.metadata, timeout=30)
+        request = pb.CreateSessionRequest(
+            policy=policy, model=model, messages=messages, request_id=request_id or secrets.token_hex(12)
+        )
+        attempts = 0
+        while True:
+            try:
+                return self.stub.CreateSession(request, metadata=self.metadata, timeout=30)
+            except grpc.RpcError as err:
+                attempts += 1
+                if attempts > retries or err.code() not in UNKNOWN_OUTCOME:
+                    raise
 
     def chat(
         self,

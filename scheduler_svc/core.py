@@ -134,11 +134,14 @@ class Scheduler:
         policy: str = "",
         messages: list[Message] | None = None,
         principal: str = ANONYMOUS,
+        request_id: str = "",
     ) -> SessionRecord:
+        """A new session of ``principal``'s, or the one its ``request_id`` already created (a retry)."""
         model = model.strip() or self.cluster.default_model()
         policy = policy.strip() or self.config.default_policy
         messages = messages or []
         try:
+            limits.check_request_id(request_id)
             limits.check_message_count(len(messages))
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
@@ -163,8 +166,10 @@ class Scheduler:
             updated_at=now,
             owner=principal,
         )
-        self.store.create(record)
-        return record
+        stored = self.store.create(record, request_id)
+        if stored.session_id != record.session_id and (stored.model, stored.policy) != (model, policy):
+            raise InvalidArgument(f"request id {request_id!r} created a session of another model or policy")
+        return stored
 
     def get_session(self, session_id: str, principal: str = ANONYMOUS) -> SessionView:
         return self.cluster.view(self._owned(session_id, principal))

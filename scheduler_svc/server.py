@@ -102,7 +102,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         with _status(context, "CreateSession"):
             who = current_principal()
             record = self.scheduler.create_session(
-                request.model, request.policy, _messages(request.messages), principal=who
+                request.model, request.policy, _messages(request.messages), who, request.request_id
             )
             return session_proto(self.scheduler.get_session(record.session_id, who), transcript=True)
 

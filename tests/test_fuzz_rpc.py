@@ -52,6 +52,7 @@ text = st.one_of(
         ["", " ", "user", "system", "assistant", "tool", "\x00", "é" * 10, "x" * 32_001, "\ud7ff"]
     ),
 )
+request_ids = st.one_of(text, st.sampled_from(["same-id", "x" * 200, "\t", "é"]))
 roles = st.one_of(st.sampled_from(["", "user", "system", "assistant", "tool", "robot"]), st.text(max_size=8))
 
 
@@ -69,9 +70,8 @@ def servers():
     config = SchedulerConfig(
         poll_interval_s=0.2, admission_timeout_s=2.0, default_policy="window:n=32", default_max_new_tokens=4
     )
-    scheduler = start_scheduler(
-        Scheduler(MemoryStore(), workers, config), port=0, client_tokens={CLIENT: "fuzzer"}
-    )
+    store = MemoryStore()
+    scheduler = start_scheduler(Scheduler(store, workers, config), port=0, client_tokens={CLIENT: "fuzzer"})
     client = SchedulerClient(scheduler.address, CLIENT)
     sid = client.create_session("window:n=32").session_id
     wmd = (("authorization", f"Bearer {WORKER}"),)
@@ -86,6 +86,7 @@ def servers():
         "wchannel": wchannel,
         "worker": worker,
         "scheduler": scheduler,
+        "store": store,
     }
     scheduler.stop(0.5)
     worker.stop(0.5)
@@ -116,7 +117,13 @@ msgs = st.lists(st.tuples(roles, text), max_size=3)
 
 @SETTINGS
 @given(
-    content=text, role=roles, max_new=int32, temperature=floats, seed=uint64, rid=text, use_sid=st.booleans()
+    content=text,
+    role=roles,
+    max_new=int32,
+    temperature=floats,
+    seed=uint64,
+    rid=request_ids,
+    use_sid=st.booleans(),
 )
 def test_fuzz_scheduler_chat(servers, content, role, max_new, temperature, seed, rid, use_sid):
     c = servers["client"]
@@ -133,10 +140,19 @@ def test_fuzz_scheduler_chat(servers, content, role, max_new, temperature, seed,
 
 
 @SETTINGS
-@given(policy=text, model=text, data=msgs, sid=text, size=int32, token=text, include=st.booleans())
-def test_fuzz_scheduler_sessions(servers, policy, model, data, sid, size, token, include):
+@given(
+    policy=text,
+    model=text,
+    data=msgs,
+    rid=request_ids,
+    sid=text,
+    size=int32,
+    token=text,
+    include=st.booleans(),
+)
+def test_fuzz_scheduler_sessions(servers, policy, model, data, rid, sid, size, token, include):
     c, md = servers["client"], servers["client"].metadata
-    create = pb.CreateSessionRequest(policy=policy, model=model, messages=messages(data))
+    create = pb.CreateSessionRequest(policy=policy, model=model, messages=messages(data), request_id=rid)
     expect_ok_or_allowed(lambda: c.stub.CreateSession(create, metadata=md, timeout=10))
     expect_ok_or_allowed(
         lambda: c.stub.GetSession(
@@ -162,11 +178,14 @@ def test_fuzz_scheduler_sessions(servers, policy, model, data, sid, size, token,
     max_new=int32,
     temperature=floats,
     seed=uint64,
+    rid=request_ids,
     ctx=int32,
     interval=int32,
     release=st.booleans(),
 )
-def test_fuzz_worker_rpcs(servers, sid, policy, data, max_new, temperature, seed, ctx, interval, release):
+def test_fuzz_worker_rpcs(
+    servers, sid, policy, data, max_new, temperature, seed, rid, ctx, interval, release
+):
     w, md = servers["wstub"], servers["wmd"]
     expect_ok_or_allowed(
         lambda: w.OpenSession(
@@ -179,6 +198,7 @@ def test_fuzz_worker_rpcs(servers, sid, policy, data, max_new, temperature, seed
         max_new_tokens=max_new,
         temperature=temperature,
         seed=seed,
+        request_id=rid,
     )
     expect_ok_or_allowed(lambda: w.Generate(generate, metadata=md, timeout=20))
     estimate = wpb.EstimateBytesRequest(
@@ -242,6 +262,45 @@ def test_oversize_payload_is_resource_exhausted_and_auth_is_enforced(servers):
         servers["wstub"].Describe(wpb.DescribeRequest(), metadata=c.metadata, timeout=5)  # a client token
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     still_serving(servers)
+
+
+class LostReply(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "the reply was lost on the way back"
+
+
+class LoseFirstReply(grpc.UnaryUnaryClientInterceptor):
+    """The server does the work, then the network loses its reply (once)."""
+
+    def __init__(self) -> None:
+        self.lost = 0
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        outcome = continuation(client_call_details, request)
+        outcome.result()  # the server has answered: the session exists
+        if self.lost == 0:
+            self.lost += 1
+            raise LostReply()
+        return outcome
+
+
+def test_a_create_whose_reply_was_lost_is_retried_into_one_session(servers):
+    store, lossy = servers["store"], LoseFirstReply()
+    client = SchedulerClient(servers["scheduler"].address, CLIENT)
+    client.stub = pb_grpc.SchedulerStub(grpc.intercept_channel(client.channel, lossy))
+    before = store.count()
+    session = client.create_session("window:n=32", system="be brief", request_id="create-once")
+    assert lossy.lost == 1 and store.count() == before + 1
+    assert store.get(session.session_id).transcript[0].content == "be brief"
+    again = client.create_session("window:n=32", system="be brief", request_id="create-once")
+    assert again.session_id == session.session_id and store.count() == before + 1
+    with pytest.raises(grpc.RpcError) as info:  # the id names that session: not another kind of session
+        client.create_session("window:n=16", request_id="create-once")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    client.channel.close()
 
 
 def test_servers_keep_serving_after_the_fuzz(servers):

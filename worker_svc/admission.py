@@ -9,8 +9,9 @@ that context alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from confkv import limits
 from confkv.memory import KVGeometry
@@ -53,15 +54,24 @@ def check_transcript(messages: Sequence[ChatMessage], config: EngineConfig) -> N
         )
 
 
-def encode(codec: ChatCodec, messages: Sequence[ChatMessage]) -> list[int]:
-    """Token ids of the conversation; a chat template that rejects it is the caller's error."""
+@contextlib.contextmanager
+def template_errors() -> Iterator[None]:
+    """A chat template that rejects the conversation is the caller's error: InvalidRequest."""
     try:
-        return codec.encode_chat(messages)
+        yield
+    except InvalidRequest:
+        raise
     except Exception as err:  # jinja TemplateError and friends: the input, not the worker
         log.info("chat template refused the conversation: %s", err)
         raise InvalidRequest(
             f"the model's chat template rejects this conversation: {str(err)[:200]}"
         ) from None
+
+
+def encode(codec: ChatCodec, messages: Sequence[ChatMessage]) -> list[int]:
+    """Token ids of the whole conversation (sessions encode incrementally: ``worker_svc.prompt``)."""
+    with template_errors():
+        return codec.encode_chat(messages)
 
 
 def parse(spec: str, geometry: KVGeometry) -> CachePolicy:

@@ -29,6 +29,7 @@ from worker_svc import admission
 from worker_svc.codec import ChatCodec
 from worker_svc.kvpool import KVPool
 from worker_svc.output import Detokenizer
+from worker_svc.prompt import PromptEncoder
 from worker_svc.session import Session, Turn, TurnHandle
 from worker_svc.stats import StepStats, ThroughputMeter
 from worker_svc.types import (
@@ -65,6 +66,7 @@ def _seq(turn: Turn) -> SequenceCache:
 class Engine:
     def __init__(self, model, codec: ChatCodec, config: EngineConfig, on_step: Callable | None = None):
         self.model, self.codec, self.config = model, codec, config
+        self.prompts = PromptEncoder(codec)  # per-session incremental tokenization
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.geometry = KVGeometry.from_config(model.config, self.dtype)
@@ -111,7 +113,7 @@ class Engine:
                 raise SessionBusy(f"session {request.session_id!r} already has a turn in progress")
             conversation = [*session.transcript, *messages]
         admission.check_transcript(conversation, self.config)
-        ids = admission.encode(self.codec, conversation)
+        ids = session.encode_prompt(self.prompts, conversation)
         limit = self.config.max_context_tokens
         if len(ids) >= limit:
             raise PoolExhausted(f"the conversation has {len(ids)} tokens; the context limit is {limit}")

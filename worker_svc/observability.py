@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from worker_svc.prompt import PromptStats
 from worker_svc.stats import StepStats
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -42,7 +43,12 @@ class WorkerMetrics:
     """Prometheus series of one worker, in their own registry (several workers may share a
     process in tests and in ``confkv serve``)."""
 
-    def __init__(self, worker_id: str, used_bytes: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        worker_id: str,
+        used_bytes: Callable[[], int] | None = None,
+        prompt_stats: PromptStats | None = None,
+    ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -64,6 +70,8 @@ class WorkerMetrics:
         if used_bytes is not None:  # read at scrape time: never stale after a drop without steps
             self.kv_used.labels(worker_id).set_function(used_bytes)
         self._live_used = used_bytes is not None
+        if prompt_stats is not None:
+            self.registry.register(PromptCollector(worker_id, prompt_stats))
         self._server: Any = None  # prometheus WSGIServer once serving
         self._last = time.monotonic()
 
@@ -89,3 +97,28 @@ class WorkerMetrics:
         if self._server is not None:
             self._server.shutdown()
             self._server = None
+
+
+class PromptCollector:
+    """``confkv_worker_prompt_tokens_encoded_total`` and ``confkv_worker_prompt_encodes_total{mode}``,
+    read from the engine's ``PromptStats`` at scrape time (encodes happen on request threads)."""
+
+    def __init__(self, worker_id: str, stats: PromptStats):
+        self.worker_id, self.stats = worker_id, stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        tokens, encodes = self.stats.snapshot()
+        encoded = CounterMetricFamily(
+            "confkv_worker_prompt_tokens_encoded", "prompt tokens tokenized (only new text when incremental)",
+            labels=["worker"],
+        )  # fmt: skip
+        encoded.add_metric([self.worker_id], tokens)
+        per_mode = CounterMetricFamily(
+            "confkv_worker_prompt_encodes", "prompt encodes by mode (full: whole conversation)",
+            labels=["worker", "mode"],
+        )  # fmt: skip
+        for mode, count in encodes.items():
+            per_mode.add_metric([self.worker_id, mode.value], count)
+        return [encoded, per_mode]

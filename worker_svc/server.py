@@ -195,7 +195,7 @@ def start_worker(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     credentials = grpc.ssl_server_credentials([(tls[1], tls[0])]) if tls is not None else None  # (key, cert)
     bound = bind(server, host, port, credentials)
-    metrics = WorkerMetrics(engine.config.worker_id, used_bytes=engine.used_bytes)
+    metrics = WorkerMetrics(engine.config.worker_id, engine.used_bytes, engine.prompts.stats)
     engine.on_step = metrics.on_step
     try:
         metrics_bound = metrics.serve(metrics_port, host) if metrics_port is not None else None

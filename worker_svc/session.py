@@ -1,8 +1,9 @@
 """A hosted session (transcript + its own Conf-KV cache) and a turn in flight.
 
 A session's cache always corresponds to ``fed_ids``, the exact tokens fed so far; a new turn
-feeds only the suffix of the re-encoded conversation, or rebuilds the cache when the encoding
-diverged from what was fed (e.g. after its KV was released).
+feeds only the suffix of the conversation's ids (encoded incrementally: ``worker_svc.prompt``),
+or rebuilds the cache when the encoding diverged from what was fed (e.g. after its KV was
+released).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from confkv.policies import CachePolicy
 from confkv.sequence import SequenceCache
 from worker_svc.output import Detokenizer
+from worker_svc.prompt import EncodedPrefix, PromptEncoder
 from worker_svc.types import (
     ChatMessage,
     SessionReport,
@@ -67,6 +70,13 @@ class Session:
     turn: Turn | None = None
     last_used: float = field(default_factory=time.monotonic)
     dropping: bool = False
+    prompt: EncodedPrefix | None = None  # the rendered conversation's ids so far (not the KV's)
+
+    def encode_prompt(self, encoder: PromptEncoder, conversation: Sequence[ChatMessage]) -> list[int]:
+        """Ids of ``conversation`` (the transcript + the turn's messages), encoding only the text
+        new since the last call; runs outside the engine lock (the prefix is replaced whole)."""
+        ids, self.prompt = encoder.encode(conversation, self.prompt)
+        return ids
 
     def nbytes(self) -> int:
         return self.seq.nbytes() if self.seq is not None else 0

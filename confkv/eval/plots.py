@@ -49,38 +49,78 @@ def unsure_steps(budgets: list[int | None]) -> list[bool]:
     return [b == high for b in budgets]
 
 
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each step (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def trace_plot(trace: list[dict], out: str | Path, marker: int | None = None, title: str = "") -> Path:
     """Confidence, budget and cache size per step; ``marker`` = step where the question arrives.
 
-    The budget is drawn as a step line over a shaded band marking the unsure steps (high budget),
-    with their share in the label: a per-step bar of two values reads as a solid barcode."""
+    The gated budget flips between two values nearly every step, so drawn per step it is a solid
+    barcode. The middle panel draws instead the share of unsure (high-budget) steps over a rolling
+    window, shaded: the same curve reads as the mean budget on the left axis (N_low at 0%, N_high
+    at 100%) and as the share of unsure steps on the right. Confidence gets the same rolling mean
+    over its raw trace."""
     plt = _pyplot()
     steps = [t["step"] for t in trace]
     budgets = [t["budget"] for t in trace]
     unsure = unsure_steps(budgets)
-    share = sum(unsure) / len(unsure) if unsure else 0.0
-    fig, axes = plt.subplots(3, 1, figsize=(8, 6), sharex=True)
-    axes[0].plot(steps, [t["confidence"] for t in trace], lw=0.6)
-    axes[0].set_ylabel("confidence", fontsize=8)
-    known = [b if b is not None else float("nan") for b in budgets]
-    axes[1].step(steps, known, where="post", lw=1.0, color="C1")
+    window = max(1, min(32, len(trace) // 20))
+    fig, axes = plt.subplots(3, 1, figsize=(9, 6.5), sharex=True, height_ratios=[1, 1.1, 0.8])
+    conf = [t["confidence"] for t in trace]
+    axes[0].plot(steps, conf, lw=0.4, color="C0", alpha=0.35, label="per token")
+    axes[0].plot(steps, rolling_mean(conf, window), lw=1.4, color="C0", label=f"mean of {window} tokens")
+    axes[0].set_ylabel("confidence")
+    axes[0].set_ylim(0, 1.05)
     if any(unsure):
-        axes[1].fill_between(steps, 0, 1, where=unsure, step="post", color="C3", alpha=0.25, lw=0,
-                             transform=axes[1].get_xaxis_transform(),
-                             label=f"unsure (high budget): {share:.0%} of steps")  # fmt: skip
-        axes[1].legend(fontsize=7, loc="lower right")
-    axes[1].set_ylabel("budget (tokens/layer)", fontsize=8)
-    axes[2].plot(steps, [t["kv_bytes"] / 2**20 for t in trace], lw=0.8)
-    axes[2].set_ylabel("KV MiB", fontsize=8)
-    for ax in axes:
+        _budget_share_panel(axes[1], steps, budgets, unsure, window)
+    else:  # one budget all along (or ``full``: unbounded): nothing flips, a step line reads well
+        known = [b if b is not None else float("nan") for b in budgets]
+        axes[1].step(steps, known, where="post", lw=1.2, color="C1", label="budget")
+        axes[1].set_ylabel("budget\n(tokens/layer)")
+        if all(b is None for b in budgets):
+            axes[1].text(0.5, 0.5, "unbounded (no budget)", transform=axes[1].transAxes, ha="center")
+    axes[2].plot(steps, [t["kv_bytes"] / 2**20 for t in trace], lw=1.2, color="C2", label="stored KV")
+    axes[2].set_ylabel("KV MiB")
+    axes[2].set_ylim(bottom=0)
+    # legends where each panel's curve is not: under the confidence, above the share, right of the ramp
+    for i, (ax, where, columns) in enumerate(
+        zip(axes, ("lower left", "upper right", "lower right"), (3, 2, 1), strict=True)
+    ):
         if marker is not None:
-            ax.axvline(marker, color="red", ls="--", lw=0.8)
-    axes[-1].set_xlabel("token (red: the question starts)")
+            ax.axvline(marker, color="red", ls="--", lw=1.0, label="question starts" if i == 0 else None)
+        ax.grid(alpha=0.25)
+        ax.legend(fontsize=7, loc=where, framealpha=0.9, ncol=columns)
+    axes[-1].set_xlabel("token")
     axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return Path(out)
+
+
+def _budget_share_panel(ax, steps: list[int], budgets: list, unsure: list[bool], window: int) -> None:
+    known = [b for b in budgets if b is not None]
+    low, high = min(known), max(known)
+    share = rolling_mean([float(u) for u in unsure], window)
+    mean_budget = [low + s * (high - low) for s in share]
+    overall = sum(unsure) / len(unsure)
+    ax.fill_between(steps, low, mean_budget, color="C1", alpha=0.35, lw=0,
+                    label=f"unsure steps, {window}-token window ({overall:.0%} overall)")  # fmt: skip
+    ax.plot(steps, mean_budget, lw=1.2, color="C1", label="mean budget")
+    ax.axhline(low + overall * (high - low), color="C1", ls=":", lw=1.0, label="mean over the trace")
+    ax.set_ylim(low - 0.08 * (high - low), high + 0.08 * (high - low))
+    ax.set_yticks([low, (low + high) / 2, high], [f"N_low {low}", f"{(low + high) / 2:g}", f"N_high {high}"])
+    ax.set_ylabel("budget\n(tokens/layer)")
+    right = ax.twinx()
+    right.set_ylim(*(100 * (y - low) / (high - low) for y in ax.get_ylim()))
+    right.set_yticks([0, 50, 100], ["0%", "50%", "100%"])
+    right.set_ylabel("unsure steps")
 
 
 def scatter_plot(

@@ -16,7 +16,7 @@ from confkv_proto import scheduler_pb2 as pb
 from scheduler_svc.app import serve_scheduler
 from scheduler_svc.client import SchedulerClient
 from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.store import RedisStore
+from scheduler_svc.store_redis import RedisStore
 from tests.helpers import (
     TOKEN,
     WORKER_TOKEN,

@@ -6,7 +6,8 @@ import pytest
 
 from scheduler_svc.domain import Message, SessionRecord
 from scheduler_svc.errors import Conflict, NotFound, StoreUnavailable
-from scheduler_svc.store import MemoryStore, RedisStore, new_session_id
+from scheduler_svc.store import MemoryStore, new_session_id
+from scheduler_svc.store_redis import RedisStore
 from tests.helpers import PrivateRedis, delete_prefix, free_port, shared_redis_or_skip, unique_prefix
 
 
@@ -146,6 +147,67 @@ def test_redis_keys_carry_the_retention_ttl():
             f"{prefix}q:{rec.session_id}",
         ):
             assert 0 < client.ttl(key) <= 1000, key
+    finally:
+        store.close()
+        delete_prefix(client, prefix)
+
+
+def test_a_create_request_id_makes_one_session_per_owner(store):
+    """A create retried after a lost reply returns the session it made; another owner's identical
+    request id is another session."""
+    first = record(transcript=[Message("system", "be brief")])
+    first.owner = "alice"
+    assert store.create(first, request_id="c1").session_id == first.session_id
+    retry = record()
+    retry.owner = "alice"
+    again = store.create(retry, request_id="c1")
+    assert again.session_id == first.session_id and again.transcript == first.transcript
+    with pytest.raises(NotFound):
+        store.get(retry.session_id)
+    other = record()
+    other.owner = "bob"
+    assert store.create(other, request_id="c1").session_id == other.session_id
+    assert [r.session_id for r in store.list("alice")] == [first.session_id]
+    assert store.count() == 2
+    store.delete(first.session_id)
+    late = record()
+    late.owner = "alice"
+    with pytest.raises(NotFound, match="request id 'c1' created session .* which has since ended"):
+        store.create(late, request_id="c1")
+
+
+def test_memory_create_request_ids_expire_with_the_retention():
+    now = [0.0]
+    store = MemoryStore(retention_s=10.0, clock=lambda: now[0])
+    first = store.create(record(), request_id="c")
+    now[0] += 5.0
+    assert store.create(record(), request_id="c").session_id == first.session_id
+    now[0] += 6.0  # the request id (and the idle session) expired: a new session
+    assert store.create(record(), request_id="c").session_id != first.session_id
+
+
+@pytest.mark.redis
+def test_redis_create_request_key_is_atomic_and_carries_a_ttl():
+    """Without a retention the request id is kept a day; concurrent creates with one request id
+    (the Lua script runs atomically) make exactly one session."""
+    import threading
+
+    client = shared_redis_or_skip()
+    prefix = unique_prefix()
+    store = RedisStore("redis://127.0.0.1:6379/0", prefix=prefix, retention_s=None)
+    try:
+        ids: list[str] = []
+        threads = [
+            threading.Thread(target=lambda: ids.append(store.create(record(), request_id="same").session_id))
+            for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(ids)) == 1 and store.count() == 1
+        (key,) = client.keys(f"{prefix}cr:*")
+        assert client.get(key).decode() == ids[0] and 86_000 < client.ttl(key) <= 86_400
     finally:
         store.close()
         delete_prefix(client, prefix)

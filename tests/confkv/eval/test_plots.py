@@ -6,13 +6,20 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from confkv.eval.plots import frontier_plot, trace_plot, unsure_steps  # noqa: E402
+from confkv.eval.plots import frontier_plot, rolling_mean, trace_plot, unsure_steps  # noqa: E402
 
 
 def test_unsure_steps_are_the_high_budget_ones():
     assert unsure_steps([256, 512, 256, 512, 512]) == [False, True, False, True, True]
     assert unsure_steps([512, 512]) == [False, False]  # one budget all along: no band
     assert unsure_steps([None, None]) == [False, False]  # ``full``: unbounded
+
+
+def test_rolling_mean_is_the_share_of_unsure_steps_in_the_window():
+    """The budget panel's curve: a budget flipping every step reads as a steady 50%, not a barcode."""
+    assert rolling_mean([0.0, 1.0, 1.0, 0.0], 2) == [0.0, 0.5, 1.0, 0.5]
+    flips = [float(i % 2) for i in range(100)]
+    assert all(v == 0.5 for v in rolling_mean(flips, 10)[10:])
 
 
 def test_plots_write_pngs(tmp_path):
