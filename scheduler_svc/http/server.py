@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import uvicorn
-from confkv_proto.serving import BindError
+from confkv_proto.serving import MAX_MESSAGE_BYTES, BindError
 from fastapi import FastAPI
 
 from scheduler_svc.core import Scheduler
@@ -65,10 +65,11 @@ def start_http_server(
     tls: tuple[str, str] | None = None,
     grace: float = 5.0,
     index: PrefixIndex | None = None,
+    max_body_bytes: int = MAX_MESSAGE_BYTES,
 ) -> HttpServer:
     """Serve the OpenAI-compatible API for ``scheduler`` (already started) on ``host:port``.
     ``tls`` is (cert_file, key_file), as for the gRPC server."""
-    app = create_app(scheduler, client_tokens, index)
+    app = create_app(scheduler, client_tokens, index, max_body_bytes)
     sock = bind_socket(host, port)
     config = uvicorn.Config(
         app,
