@@ -5,8 +5,6 @@ status: 400 BadRequest, 401 Authentication, 404 NotFound, 409 Conflict, 413, 429
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from scheduler_svc.errors import (
     Cancelled,
     Conflict,
@@ -31,18 +29,15 @@ _TYPES = {
 }
 
 
-@dataclass(frozen=True)
 class ApiError(Exception):
-    """An error response. ``param`` names the offending request field (or None)."""
+    """An error response. ``param`` names the offending request field (or None). Not a frozen
+    dataclass: frameworks set ``__traceback__`` on exceptions they handle."""
 
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.status not in _TYPES:
-            raise ValueError(f"no OpenAI error type for HTTP status {self.status}")
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        if status not in _TYPES:
+            raise ValueError(f"no OpenAI error type for HTTP status {status}")
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
 
     def __str__(self) -> str:
         return self.message
