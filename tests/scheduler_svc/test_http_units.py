@@ -111,3 +111,25 @@ def test_http_port_in_use_or_equal_to_the_grpc_port_is_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         main(["scheduler", "--workers", "127.0.0.1:1", "--http-port", "70000"])
     assert info.value.code == 2
+
+
+def test_core_stop_records_the_cut_reply_and_drops_the_worker_copy():
+    """Transport-free: the scheduler core applies stops the same way for every front end."""
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.core import Scheduler
+    from scheduler_svc.store import MemoryStore
+    from tests.helpers import GEOMETRY, FakeWorker
+
+    worker = FakeWorker("w0:1", 10 * GEOMETRY.full_bytes(16))
+    sched = Scheduler(MemoryStore(), [worker], SchedulerConfig(poll_interval_s=0.05))
+    sched.start(background=False)
+    sid = sched.create_session(policy="window:n=16").session_id
+    events = list(sched.chat(sid, Message("user", "one two three four"), stop=["two"]))
+    streamed = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    done = events[-1]
+    assert streamed == done.result.reply == "echo1 four three "  # the reply was "echo1 four three two one"
+    assert done.result.finish_reason == "stop" and done.result.generated_tokens == 4
+    assert sched.store.get(sid).transcript[-1].content == streamed
+    assert sid not in worker.sessions and sched.cluster.location(sid) is None  # the uncut copy is gone
+    again = list(sched.chat(sid, Message("user", "five")))[-1]  # replays the recorded transcript
+    assert again.result.finish_reason == "eos" and worker.sessions[sid]["transcript"][1].content == streamed
