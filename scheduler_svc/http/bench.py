@@ -150,13 +150,16 @@ def measure(runs: dict[str, Run], rounds: int) -> dict:
 def markdown(report: dict) -> str:
     res = report["results"]
     base = res["grpc"]["ms_per_token_median"]
+    load = report["machine"].get("load_average_1m", ["?", "?"])
     lines = [
         "# OpenAI-compatible HTTP vs gRPC, same scheduler, one run",
         "",
         f"Model `{report['model']}`, policy `{report['policy']}`, {report['runs']} runs per path of up to "
         f"{report['tokens']} tokens, greedy, a new session per run, loopback; scheduler + worker in one "
         f"`confkv serve` process, clients in another. Machine: {report['machine']['platform']}, "
-        f"{report['machine']['cpus']} CPUs. Command: `{report['command']}`",
+        f"{report['machine']['cpus']} CPUs, 1-minute load average {load[0]} before and {load[1]} after "
+        "(other work on the machine inflates every path's time; compare paths within one run). "
+        f"Command: `{report['command']}`",
         "",
         "| path | runs | ms per token (median) | vs gRPC | tokens/s | TTFT ms (median) |",
         "|---|---|---|---|---|---|",
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = args.out.with_suffix(".serve.log")
+    load_before = os.getloadavg()[0]
     proc, grpc_port, http_port = start_serve(args.model, args.policy, args.tokens, log)
     try:
         runs = {
@@ -207,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
+            "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
         },
         "results": results,
     }
