@@ -13,7 +13,7 @@ from collections.abc import Iterable
 # extra -> the import names it provides (keep in step with pyproject.toml).
 EXTRAS: dict[str, tuple[str, ...]] = {
     "eval": ("matplotlib", "scipy"),
-    "serve": ("grpc", "grpc_health", "google.protobuf", "redis", "prometheus_client"),
+    "serve": ("grpc", "grpc_health", "google.protobuf", "redis", "prometheus_client", "fastapi", "uvicorn"),
     "gpu": ("triton",),
     "load": ("locust",),
 }

@@ -14,9 +14,10 @@ import sys
 from confkv.cli.common import add_model_arg
 from scheduler_svc.cli import (
     add_scheduler_args,
-    check_port_free,
+    check_ports,
     credentials,
     scheduler_config,
+    start_http,
     tls_pair,
     wait_for_signal,
 )
@@ -79,7 +80,7 @@ def run(args) -> int:
     clients, worker_token = credentials(args)
     worker_token = worker_token or secrets.token_urlsafe(24)  # only our scheduler may call our worker
     if not args.demo:
-        check_port_free(args.host, args.port)
+        check_ports(args)
     store = make_store(args.redis, args.redis_prefix, args.retention or None)
     engine = create_engine(
         args.model,
@@ -97,15 +98,22 @@ def run(args) -> int:
     except BaseException:
         worker.stop(1.0)
         raise
+    http = None
     try:
+        if not args.demo:
+            http = start_http(args, server, clients, tls)
         if args.demo:
             client_token = next(iter(clients), None)
             return run_demo(server.address, client_token, args.default_policy, min(args.max_new_tokens, 40))
         print(f"confkv serve: scheduler on {server.address}, worker {worker.address} (KV pool {pool} bytes)")
+        if http is not None:
+            print(f"confkv serve: OpenAI-compatible HTTP API on {http.url}/v1")
         sys.stdout.flush()
         wait_for_signal()
         return 0
     finally:
+        if http is not None:
+            http.stop(args.grace)
         server.stop(args.grace if not args.demo else 1.0)
         worker.stop(1.0)
         store.close()

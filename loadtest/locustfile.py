@@ -12,6 +12,12 @@ new one. Per RPC, locust's stats show ``CreateSession``, ``Chat`` (whole turn, r
 the turn); failures carry the gRPC status code. ``--summary-json`` adds p50/p95 TTFT and ITL,
 aggregate tokens/s and failures per RPC.
 
+``--http-url http://127.0.0.1:8000/v1`` runs the same conversations as ``OpenAIConversationUser``
+instead: the official ``openai`` client against the scheduler's OpenAI-compatible HTTP API, the
+whole conversation sent each call (the server continues one Conf-KV session per conversation);
+stats are named ``POST /v1/chat/completions`` (plus ``:ttft`` and ``:itl``) and failures carry
+the HTTP status (``HTTP429``) or the client's error type.
+
 Honest accounting: a user that crashes (``user:<Exception>``, e.g. a missing ``--corpus``) and a
 turn still streaming when the run stops (``Chat:UNFINISHED``; it is cancelled, so the server stops
 generating it) are failures. The run exits 1 when anything failed or no turn completed.
@@ -36,7 +42,8 @@ from gevent import GreenletExit  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
 
 from loadtest.client import SchedulerClient  # noqa: E402
-from loadtest.conversations import ConversationConfig, conversation, load_corpus  # noqa: E402
+from loadtest.conversations import SYSTEM_PROMPT, ConversationConfig, conversation, load_corpus  # noqa: E402
+from loadtest.http_client import OpenAIChatClient  # noqa: E402
 from loadtest.metrics import TurnMetrics, summarize  # noqa: E402
 
 _seeds = itertools.count()
@@ -57,6 +64,19 @@ def _add_arguments(parser) -> None:
         "--corpus", default="", help="folder of austen_*.txt (default: confkv.data.sample_corpus())"
     )
     parser.add_argument("--summary-json", default="", help="write TTFT/ITL/tokens-per-second summary here")
+    parser.add_argument(
+        "--http-url",
+        default="",
+        help="use the OpenAI HTTP API at this base URL (e.g. http://127.0.0.1:8000/v1)",
+    )
+
+
+@events.init.add_listener
+def _choose_users(environment, **_) -> None:
+    """gRPC users, or OpenAI-HTTP users with --http-url (one protocol per run)."""
+    options = environment.parsed_options
+    if options is not None and options.http_url:
+        environment.user_classes = [OpenAIConversationUser]
 
 
 @events.test_start.add_listener
@@ -95,11 +115,22 @@ class TurnUnfinished(Exception):
         return "UNFINISHED"
 
 
+def failure_code(error: BaseException) -> str:
+    """gRPC status name, ``HTTP<status>`` for an HTTP error answer, else the exception's type."""
+    if isinstance(error, TurnUnfinished):
+        return "UNFINISHED"
+    if isinstance(error, grpc.RpcError):
+        return error.code().name
+    status = getattr(error, "status_code", None)
+    return f"HTTP{status}" if isinstance(status, int) else type(error).__name__
+
+
 class ConversationUser(User):
     """One agent: a session per conversation, turns sent one after another."""
 
     wait_time = between(0.5, 2.0)
     abstract = False
+    protocol = "grpc"  # locust's request_type
 
     client: SchedulerClient | None = None
 
@@ -124,13 +155,11 @@ class ConversationUser(User):
     def _fire(self, name: str, started: float, length: int = 0, error: Exception | None = None, ms=None):
         elapsed = ms if ms is not None else 1000 * (time.perf_counter() - started)
         events.request.fire(
-            request_type="grpc", name=name, response_time=elapsed, response_length=length,
+            request_type=self.protocol, name=name, response_time=elapsed, response_length=length,
             exception=error, context={},
         )  # fmt: skip
         if error is not None:
-            code = error.code().name if isinstance(error, grpc.RpcError) else type(error).__name__
-            code = "UNFINISHED" if isinstance(error, TurnUnfinished) else code
-            _failures[f"{name}:{code}"] += 1
+            _failures[f"{name}:{failure_code(error)}"] += 1
 
     def _unfinished(self, started: float) -> None:
         self._fire("Chat", started, error=TurnUnfinished("the run stopped during this turn"))
@@ -176,3 +205,52 @@ class ConversationUser(User):
             if metrics.itl_s:
                 self._fire("Chat:itl", 0.0, ms=1000 * sum(metrics.itl_s) / len(metrics.itl_s))
         self._call("EndSession", self.client.end_session, session)
+
+
+class OpenAIConversationUser(ConversationUser):
+    """The same agent over the OpenAI HTTP API (chosen with --http-url): no session calls; every
+    completion carries the conversation so far, as an agent framework sends it."""
+
+    abstract = True  # not discovered on its own: _choose_users picks it
+    protocol = "http"
+    CHAT = "POST /v1/chat/completions"
+
+    def on_start(self) -> None:
+        options = self.environment.parsed_options
+        try:
+            self.http = OpenAIChatClient(options.http_url)
+            self.model = options.model or self.http.default_model()
+            self.corpus = load_corpus(options.corpus) if options.corpus else load_corpus()
+            self.config = ConversationConfig(page_chars=options.page_chars, turns=options.turns)
+        except Exception as error:
+            self._crashed(error)
+            raise
+
+    def on_stop(self) -> None:
+        if getattr(self, "http", None) is not None:
+            self.http.close()
+
+    def _conversation(self) -> None:
+        import openai
+
+        options = self.environment.parsed_options
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        for turn in conversation(self.corpus, next(_seeds), self.config):
+            messages.append({"role": turn.role, "content": turn.content})
+            started = time.perf_counter()
+            try:
+                reply = self.http.chat(messages, self.model, options.policy, options.max_new_tokens)
+            except openai.OpenAIError as err:
+                self._fire(self.CHAT, started, error=err)
+                return
+            except GreenletExit:
+                self._fire(self.CHAT, started, error=TurnUnfinished("the run stopped during this turn"))
+                raise
+            messages.append({"role": "assistant", "content": reply.text})
+            metrics = reply.metrics
+            _turns.append(metrics)
+            self._fire(self.CHAT, started, metrics.tokens, ms=1000 * metrics.seconds)
+            if metrics.ttft_s is not None:
+                self._fire(f"{self.CHAT}:ttft", 0.0, ms=1000 * metrics.ttft_s)
+            if metrics.itl_s:
+                self._fire(f"{self.CHAT}:itl", 0.0, ms=1000 * sum(metrics.itl_s) / len(metrics.itl_s))

@@ -30,6 +30,13 @@ def add_scheduler_args(p: argparse.ArgumentParser, port: int = 50051) -> None:
         "--port", type=port_number, default=port, help="0 = any free port; a port in use is refused"
     )
     p.add_argument(
+        "--http-port",
+        type=port_number,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /health) on "
+        "this port of --host, same sessions and tokens (default: off; 0 = any free port)",
+    )
+    p.add_argument(
         "--redis", metavar="URL", help="session store, e.g. redis://127.0.0.1:6379/0 (default: in memory)"
     )
     p.add_argument("--redis-prefix", default="confkv:", help="key prefix in Redis")
@@ -124,6 +131,29 @@ def check_port_free(host: str, port: int) -> None:
             raise UsageError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
 
+def check_ports(args) -> None:
+    """Both listening ports free and distinct, before anything starts (exit 2 otherwise)."""
+    if args.http_port is not None and args.http_port and args.http_port == args.port:
+        raise UsageError(f"--http-port {args.http_port} is also --port: use two different ports")
+    check_port_free(args.host, args.port)
+    if args.http_port:
+        check_port_free(args.host, args.http_port)
+
+
+def start_http(args, server, clients: dict[str, str], tls):
+    """The HTTP front door over the running scheduler (``--http-port``), or None."""
+    if args.http_port is None:
+        return None
+    from confkv_proto.serving import BindError
+
+    from scheduler_svc.http import start_http_server
+
+    try:
+        return start_http_server(server.scheduler, args.host, args.http_port, clients, tls, args.grace)
+    except BindError as err:
+        raise UsageError(str(err)) from None
+
+
 def tls_pair(args) -> tuple[str, str] | None:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
@@ -147,18 +177,27 @@ def run(args) -> int:
     workers = parse_workers(args.workers)
     clients, worker_token = credentials(args)
     tls = tls_pair(args)
-    check_port_free(args.host, args.port)
+    check_ports(args)
     store = make_store(args.redis, args.redis_prefix, args.retention or None)
     server = serve_scheduler(
         workers, store, config, args.host, args.port, clients, tls, args.worker_ca, worker_token
     )
+    try:
+        http = start_http(args, server, clients, tls)
+    except BaseException:
+        server.stop(0)
+        raise
     if server.scheduler.store_ok is False:
         print(
             f"confkv scheduler: session store {args.redis} unreachable: NOT_SERVING until it answers",
             flush=True,
         )
     print(f"confkv scheduler listening on {server.address} (workers: {', '.join(workers)})", flush=True)
+    if http is not None:
+        print(f"confkv scheduler: OpenAI-compatible HTTP API on {http.url}/v1", flush=True)
     wait_for_signal()
+    if http is not None:
+        http.stop(args.grace)
     server.stop(args.grace)
     store.close()
     return 0

@@ -8,11 +8,18 @@ acknowledged (``TurnDone``) only after the store recorded it atomically under it
 if anything fails first, the worker's copy is dropped so the next turn replays exactly the
 acknowledged transcript, and a retry with the same request id is answered from the store
 instead of being recorded twice. Sessions belong to the principal that created them.
+
+Stop sequences (``chat(stop=...)``) are applied here, so every front end records the same thing:
+the reply is cut before the first stop sequence, text that might start one is held back while
+streaming, and the turn recorded is exactly the text released. The worker cannot stop early, so
+it finishes the turn (its count of tokens stays exact) and its copy, which holds the uncut reply,
+is dropped: the next turn replays the recorded transcript.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -42,6 +49,7 @@ from scheduler_svc.errors import (
     WorkerRefused,
     WorkerUnavailable,
 )
+from scheduler_svc.stops import StopMatcher, check_stops, cut_result
 from scheduler_svc.store import SessionStore, new_session_id
 from scheduler_svc.workers import WorkerClient
 
@@ -217,9 +225,11 @@ class Scheduler:
         principal: str = ANONYMOUS,
         request_id: str = "",
         cancelled: threading.Event | None = None,
+        stop: Sequence[str] = (),
     ) -> Generator[ChatEvent, None, None]:
         """Validate now, then return the turn's events: maybe QueuedEvent, tokens, one TurnDone.
-        A ``request_id`` already recorded in the session answers with that turn (``replayed``)."""
+        A ``request_id`` already recorded in the session answers with that turn (``replayed``).
+        ``stop``: up to 4 stop sequences; a reply cut at one finishes with reason ``"stop"``."""
         _check_id(session_id)
         message = self._check_message(message, what="message")
         if message.role not in limits.TURN_ROLES:
@@ -228,6 +238,7 @@ class Scheduler:
             limits.check_request_id(request_id)
             limits.check_max_new_tokens(max_new_tokens, self.config.max_new_tokens_limit)
             sampling = Sampling(max_new_tokens, temperature, seed)
+            stops = check_stops(stop)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
         record = self._owned(session_id, principal)
@@ -238,7 +249,7 @@ class Scheduler:
         self._check_fits(record.model, [*record.transcript, message], record)
         sampling = sampling.with_max_new_tokens(sampling.max_new_tokens or record.max_new_tokens)
         self.cluster.begin_turn(session_id)
-        return self._turn(record, message, sampling, request_id, cancelled)
+        return self._turn(record, message, sampling, request_id, cancelled, stops)
 
     def _turn(
         self,
@@ -247,10 +258,15 @@ class Scheduler:
         sampling: Sampling,
         request_id: str,
         cancelled: threading.Event | None,
+        stops: tuple[str, ...] = (),
     ) -> Generator[ChatEvent, None, None]:
-        session_id, committed = record.session_id, False
+        session_id, committed, worker_copy_stale = record.session_id, False, False
         try:
-            address, result = yield from self._generate(record, message, sampling, request_id, cancelled)
+            address, result = yield from self._generate(
+                record, message, sampling, request_id, cancelled, stops
+            )
+            # Cut at a stop: the worker committed the uncut reply, so its copy must go.
+            worker_copy_stale = result.finish_reason == "stop"
             reply = Message("assistant", result.reply)
             footprint = self.cluster.reserved(session_id)
             done = self.store.append_turn(
@@ -264,9 +280,9 @@ class Scheduler:
         finally:
             self.cluster.end_turn(session_id)
             address = self.cluster.location(session_id)
-            if not committed and address is not None:
-                # The worker may hold an unrecorded (partial) turn: drop it so the next turn
-                # replays exactly the acknowledged transcript.
+            if (not committed or worker_copy_stale) and address is not None:
+                # The worker may hold an unrecorded (partial) turn, or a reply other than the one
+                # recorded: drop it so the next turn replays exactly the acknowledged transcript.
                 self._unplace(session_id, address)
 
     def _generate(
@@ -276,20 +292,27 @@ class Scheduler:
         sampling: Sampling,
         request_id: str,
         cancelled: threading.Event | None,
+        stops: tuple[str, ...] = (),
     ):
         """Run the turn on the session's worker, re-placing it once if the worker was lost
         before any token was streamed. Generator; returns (address, TurnResult)."""
         for attempt in range(2):
             address = yield from self._ensure_placed(record, cancelled)
-            streamed = False
+            streamed, matcher = False, StopMatcher(stops)
+            stopped_at: TokenEvent | None = None  # the token that completed a stop sequence
             try:
                 with contextlib.closing(
                     self.cluster.clients[address].turn(record.session_id, message, sampling, request_id)
                 ) as it:
                     for event in it:
                         if isinstance(event, TurnResult):
-                            return address, event
+                            return address, cut_result(event, matcher, stopped_at)
                         streamed = True
+                        if stops and isinstance(event, TokenEvent):
+                            if matcher.matched:
+                                continue  # past the stop: the worker finishes, nothing is shown
+                            event = dataclasses.replace(event, text=matcher.push(event.text))
+                            stopped_at = event if matcher.matched else None
                         yield event
                 raise WorkerUnavailable(f"worker {address} ended the turn without a result")
             except (WorkerUnavailable, NotFound) as err:

@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -337,3 +339,72 @@ def byte_llama(seed: int = 0):
     model = LlamaForCausalLM(cfg).eval()
     enable(model)
     return model
+
+
+# --- A live stack for the HTTP front door: real worker (printable byte model), scheduler gRPC + HTTP ---
+
+HTTP_MODEL = "tiny-bytes"
+HTTP_TOKENS = {"alice-secret": "alice", "bob-secret": "bob"}
+
+
+def printable_byte_llama():
+    """byte_llama whose logits allow only printable ASCII bytes (32..126): no EOS, valid UTF-8."""
+    model = byte_llama(seed=1)
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.fill_(-1e4)
+        biased.bias[32:127] = 0.0
+    model.lm_head = biased
+    return model
+
+
+@dataclass
+class LiveStack:
+    engine: Any  # worker_svc.engine.Engine
+    worker: Any  # worker_svc.server.WorkerServer
+    grpc: Any  # scheduler_svc.server.SchedulerServer
+    http: Any  # scheduler_svc.http.HttpServer
+    store: Any  # scheduler_svc.store.SessionStore
+
+    @property
+    def scheduler(self):
+        return self.grpc.scheduler
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.http.url}/v1"
+
+    def stop(self) -> None:
+        self.http.stop(1.0)
+        self.grpc.stop(1.0)
+        self.worker.stop(1.0)
+
+
+def start_live(model, store=None, config=None, kv_pool_bytes: int = 64 << 20, max_body_bytes: int = 1 << 20):
+    """Worker + scheduler (gRPC and HTTP, client tokens HTTP_TOKENS) on free loopback ports."""
+    from scheduler_svc.config import SchedulerConfig
+    from scheduler_svc.core import Scheduler
+    from scheduler_svc.grpc_worker import GrpcWorkerClient
+    from scheduler_svc.http import start_http_server
+    from scheduler_svc.server import start_scheduler
+    from scheduler_svc.store import MemoryStore
+    from worker_svc.codec import ByteChatCodec
+    from worker_svc.engine import Engine
+    from worker_svc.server import start_worker
+    from worker_svc.types import EngineConfig
+
+    engine = Engine(
+        model,
+        ByteChatCodec(),
+        EngineConfig(kv_pool_bytes=kv_pool_bytes, prefill_chunk=64, max_context_tokens=2048),
+    )
+    worker = start_worker(engine, HTTP_MODEL, port=0)
+    store = store or MemoryStore()
+    config = config or SchedulerConfig(default_policy="full", default_max_new_tokens=8, poll_interval_s=0.2)
+    grpc_server = start_scheduler(
+        Scheduler(store, [GrpcWorkerClient(worker.address)], config), client_tokens=HTTP_TOKENS
+    )
+    http = start_http_server(grpc_server.scheduler, client_tokens=HTTP_TOKENS, max_body_bytes=max_body_bytes)
+    return LiveStack(engine, worker, grpc_server, http, store)
