@@ -10,9 +10,13 @@ attention probabilities themselves.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
+
+from confkv.cache import ConfKVCache
+from confkv.sequence import SequenceCache
 
 _NEG = float("-inf")
 
@@ -86,3 +90,73 @@ def padded_decode_attention(
         n8 = view[0].shape[1]
         per_seq.append((mass[row, :n8], mass[row, n8 : lengths[row]]))
     return out, per_seq
+
+
+# -- packed steps: prefill chunks and decode tokens of many sequences in one forward -----------------
+class PackedCache(ConfKVCache):
+    """Several sequences' new tokens packed along ONE batch row (vLLM-style chunked prefill mixed
+    with decode): sequence b owns tokens ``offsets[b]:offsets[b + 1]`` of the forward. Each
+    sequence evicts and appends its own slice exactly as it would alone."""
+
+    packed = True
+
+    def __init__(self, sequences: list[SequenceCache], lengths: list[int]):
+        super().__init__(sequences)
+        if len(lengths) != len(sequences) or min(lengths) < 1:
+            raise ValueError(f"one positive token count per sequence, got {lengths}")
+        self.lengths = list(lengths)
+        self.offsets = [0, *itertools.accumulate(lengths)]
+
+    def store(self, key_states, value_states, layer_idx: int) -> None:
+        """key/value (1, Hkv, T, D) with T = sum(lengths)."""
+        if key_states.shape[0] != 1 or key_states.shape[2] != self.offsets[-1]:
+            raise ValueError(f"a packed forward has one row of {self.offsets[-1]} tokens")
+        for b, seq in enumerate(self.seqs):
+            start, end = self.offsets[b], self.offsets[b + 1]
+            seq.before_append(layer_idx, end - start)
+            seq.append(layer_idx, key_states[0, :, start:end], value_states[0, :, start:end])
+
+
+def packed_attention(
+    cache: PackedCache, layer: int, query: torch.Tensor, scaling: float, attend_one, attend_decode
+) -> torch.Tensor:
+    """query (1, Hq, T, D) -> (1, Hq, T, D): the one-token sequences (decode) in one padded call,
+    each prompt chunk by the chunk path; ``attend_one``/``attend_decode`` are the attention
+    function's per-sequence and batched-decode entry points (they update the statistics)."""
+    q = query[0]  # (Hq, T, D)
+    out = torch.empty_like(q)
+    single = [b for b, m in enumerate(cache.lengths) if m == 1]
+    if single:
+        cols = torch.tensor([cache.offsets[b] for b in single], device=q.device)
+        qd = q.index_select(1, cols).transpose(0, 1).unsqueeze(2)  # (Bd, Hq, 1, D)
+        seqs = [cache.seqs[b] for b in single]
+        od = (
+            attend_decode(seqs, layer, qd, scaling)
+            if len(seqs) > 1
+            else attend_one(seqs[0], layer, qd[0], scaling)[None]
+        )
+        out.index_copy_(1, cols, od[:, :, 0].transpose(0, 1))
+    for b, seq in enumerate(cache.seqs):
+        start, end = cache.offsets[b], cache.offsets[b + 1]
+        if end - start > 1:
+            out[:, start:end] = attend_one(seq, layer, q[:, start:end], scaling)
+    return out.unsqueeze(0)
+
+
+@torch.no_grad()
+def packed_forward(model, seqs: list[SequenceCache], chunks: list[list[int]]) -> torch.Tensor:
+    """Feed ``chunks[b]`` (token ids, >= 1) to sequence b, all in one forward. -> logits (B, V) of
+    each sequence's last fed token. Budgets are not updated (callers observe the logits they use)."""
+    lengths = [len(c) for c in chunks]
+    cache = PackedCache(seqs, lengths)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[t for c in chunks for t in c]], device=device)
+    positions = torch.cat(
+        [torch.arange(s.seen_tokens, s.seen_tokens + m) for s, m in zip(seqs, lengths, strict=True)]
+    )
+    last = torch.tensor(cache.offsets[1:], device=device) - 1
+    out = model(
+        input_ids=ids, position_ids=positions[None].to(device), past_key_values=cache, use_cache=True,
+        logits_to_keep=last,
+    )  # fmt: skip
+    return out.logits[0]

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import decode_one_token, forward, prefill_chunk_size, prompt_end_forward, sample
 from confkv.memory import KVGeometry
@@ -213,13 +214,17 @@ class Engine:
         if not work:
             return False
         started = time.perf_counter()
-        for turn in work:
-            if turn.pending:
-                self._isolated(turn, self._prefill_chunk)
         with self.lock:
             decoding = [t for t in work if t.logits is not None and not t.pending and t in self.active]
             continuing = [t for t in decoding if self._isolated(t, self._emit_next)]
-        if continuing:
+        prefilling = [t for t in work if t.pending and t in self.active]
+        alone = [t for t in prefilling if _seq(t).tier is not None]  # recall: prompt-end probe path
+        packed = [t for t in prefilling if _seq(t).tier is None]
+        for turn in alone:
+            self._isolated(turn, self._prefill_chunk)
+        if packed:
+            self._mixed(continuing, packed)
+        elif continuing:
             self._decode(continuing)
         with self.lock:
             self.last_batch_size = len(continuing)
@@ -243,6 +248,37 @@ class Engine:
             log.warning("batched decode step failed; retrying its %d turns one by one", len(turns))
             for turn in turns:
                 self._isolated(turn, lambda t: self._forward([t]))
+
+    def _mixed(self, decoding: list[Turn], prefilling: list[Turn]) -> None:
+        """One packed forward: a token of every decoding turn and a prompt chunk of every
+        prefilling one (chunked prefill interleaved with decode). If it fails, the old way:
+        each chunk alone, then the decode batch, so only turns that fail by themselves fail."""
+        chunks = [[t.generated[-1]] for t in decoding]
+        for turn in prefilling:
+            size = prefill_chunk_size(ConfKVCache([_seq(turn)]), self.config.prefill_chunk)
+            chunks.append(turn.pending[:size])
+        turns = [*decoding, *prefilling]
+        try:
+            logits = packed_forward(self.model, [_seq(t) for t in turns], chunks)  # (B, V)
+        except Exception:
+            log.warning("packed step failed; retrying its %d turns the unpacked way", len(turns))
+            for turn in prefilling:
+                self._isolated(turn, self._prefill_chunk)
+            if decoding:
+                self._decode(decoding)
+            return
+        observed = []
+        for row, (turn, chunk) in enumerate(zip(turns, chunks, strict=True)):
+            turn.fed.extend(chunk)
+            if row >= len(decoding):  # a prompt chunk
+                turn.pending = turn.pending[len(chunk) :]
+                if turn.pending:
+                    continue
+                turn.session.state = SessionState.DECODE
+            turn.logits = logits[row]
+            observed.append(row)
+        if observed:  # the budgets of the next step follow these logits' confidence
+            ConfKVCache([_seq(turns[r]) for r in observed]).observe_logits(logits[observed])
 
     def _forward(self, turns: list[Turn]) -> None:
         tokens = torch.tensor([t.generated[-1] for t in turns], device=self.device)
