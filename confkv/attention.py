@@ -11,7 +11,7 @@ import torch
 from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
 from transformers import AttentionInterface
 
-from confkv.batched import PackedCache, packed_attention, padded_decode_attention
+from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
 from confkv.cache import pending_cache
 from confkv.sequence import SequenceCache
 
@@ -64,8 +64,7 @@ def _attend_padded_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor
         seq.maybe_recall(layer, q[b], scaling)
     views = [s.stores[layer].kv_views() for s in seqs]
     out, masses = padded_decode_attention(q[:, :, 0], views, scaling)
-    for seq, (m8, mf) in zip(seqs, masses, strict=True):
-        seq.after_attention(layer, m8, mf)
+    fold_attention(seqs, layer, masses)
     return out.unsqueeze(2)
 
 

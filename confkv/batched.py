@@ -92,6 +92,31 @@ def padded_decode_attention(
     return out, per_seq
 
 
+def fold_attention(
+    seqs: list[SequenceCache], layer: int, masses: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """``after_attention`` for a batch: every sequence's EMA and cumulative attention updated by
+    three ``_foreach`` calls per distinct decay (the same elementwise ops as
+    ``LayerStore.add_attention``, so bit for bit), then each sequence settles (eviction, demotion)."""
+    groups: dict[float, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+    for seq, (m8, mf) in zip(seqs, masses, strict=True):
+        if not seq.policy.needs_attention:
+            continue
+        emas, cums, adds = groups.setdefault(seq.policy.decay, ([], [], []))
+        store = seq.stores[layer]
+        for part, mass in ((store.q, m8), (store.fp, mf)):
+            if part.n:
+                emas.append(part.view("ema"))
+                cums.append(part.view("cum"))
+                adds.append(mass)
+    for decay, (emas, cums, adds) in groups.items():
+        torch._foreach_mul_(emas, decay)
+        torch._foreach_add_(emas, adds, alpha=1 - decay)
+        torch._foreach_add_(cums, adds)
+    for seq in seqs:
+        seq.settle(layer)
+
+
 # -- packed steps: prefill chunks and decode tokens of many sequences in one forward -----------------
 class PackedCache(ConfKVCache):
     """Several sequences' new tokens packed along ONE batch row (vLLM-style chunked prefill mixed

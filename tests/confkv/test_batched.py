@@ -54,3 +54,33 @@ def test_workspace_is_reused_across_calls():
     buffer = workspace().k.data_ptr()
     padded_decode_attention(q, views[:3], 0.25)  # smaller batch: same buffer
     assert workspace().k.data_ptr() == buffer
+
+
+def test_fold_attention_equals_after_attention_bit_for_bit():
+    from confkv.attention import enable
+    from confkv.batched import fold_attention
+    from confkv.cache import ConfKVCache
+    from confkv.decode import prefill
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama(layers=2, seed=1)
+    enable(model)
+    policies = ["confkv:n_high=24,n_low=12,p=4,s=2,int8=1,w=8", "h2o:n=20", "full", "confkv:decay=0.5"]
+    pairs = []
+    for i, policy in enumerate(policies):
+        caches = [ConfKVCache.for_model(model, policy) for _ in range(2)]
+        for cache in caches:
+            prefill(model, cache, torch.arange(1, 30 + i)[None], chunk_size=8)
+        pairs.append((caches[0].seqs[0], caches[1].seqs[0]))
+    gen = torch.Generator().manual_seed(0)
+    masses = []
+    for seq, _ in pairs:
+        store = seq.stores[1]
+        masses.append((torch.rand(store.q.n, generator=gen), torch.rand(store.fp.n, generator=gen)))
+    for (seq, _), (m8, mf) in zip(pairs, masses, strict=True):
+        seq.after_attention(1, m8, mf)
+    fold_attention([other for _, other in pairs], 1, masses)
+    for seq, other in pairs:
+        for name in ("ema", "cum", "pos"):
+            assert torch.equal(seq.stores[1].meta(name), other.stores[1].meta(name)), name
+        assert seq.nbytes() == other.nbytes()
