@@ -1,9 +1,12 @@
 """Transport-free worker engine: many sessions, one model, continuous batching, a fixed KV pool.
 
 Each ``step()``: admit queued turns whose worst-case KV fits the pool (FIFO; idle sessions'
-caches are released, least recently used first, to make room), feed one prompt chunk per
-prefilling turn (eviction between chunks), then sample one token for every decoding turn and
-advance all of them in ONE batched forward over their ragged caches.
+caches are released, least recently used first, to make room), sample one token for every
+decoding turn, then advance everything in ONE forward: every decoding turn's token and one
+prompt chunk of every prefilling turn packed along one row (chunked prefill interleaved with
+decode, eviction between chunks; ``confkv.batched.PackedCache``), or the plain decode batch over
+the ragged caches when nobody is prefilling. Turns with a recall tier feed their chunks alone
+(the prompt end runs the recall probe).
 
 The pool arithmetic lives in ``KVPool`` (``kvpool.py``: invariant ``sum(reserved) <= pool``;
 every session's exact bytes stay within its reservation, a turn reserving ``min(policy peak
