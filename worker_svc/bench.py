@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -207,13 +208,17 @@ def ttft_workload(model, codec, args) -> dict:
     background = prompts(8, 200, args.corpus)
     arriving = prompts(args.arrivals, 1600, sample_text("emma"))
     out = {}
-    for policy in DECODE_POLICIES:
-        config = EngineConfig(kv_pool_bytes=1 << 36, max_batch_size=16, prefill_chunk=args.prefill_chunk)
+    for policy, packed in itertools.product(DECODE_POLICIES, (False, True)):
+        config = EngineConfig(
+            kv_pool_bytes=1 << 36, max_batch_size=16, prefill_chunk=args.prefill_chunk, packed_prefill=packed
+        )
         engine = Engine(model, codec, config)
         got = bench_peer.ttft_under_load(engine, policy, background, arriving, "ttft")
+        key = f"{policy} ({'packed' if packed else 'chunk alone'})"
         q = statistics.quantiles(got.ttft_s, n=20, method="inclusive")
         steps = got.decode_step_s
-        out[policy] = {
+        out[key] = {
+            "packed_prefill": packed,
             "arrivals": len(got.ttft_s),
             "ttft_p50_s": statistics.median(got.ttft_s),
             "ttft_p95_s": q[18],
@@ -225,7 +230,7 @@ def ttft_workload(model, codec, args) -> dict:
             )
             / len(arriving),
         }
-        print(f"ttft {policy}: p50 {out[policy]['ttft_p50_s']:.3f} s p95 {out[policy]['ttft_p95_s']:.3f} s",
+        print(f"ttft {key}: p50 {out[key]['ttft_p50_s']:.3f} s p95 {out[key]['ttft_p95_s']:.3f} s",
               file=sys.stderr)  # fmt: skip
     return out
 
@@ -258,7 +263,7 @@ def peer_markdown(report: dict) -> str:
             "",
             "Time to first token of a session arriving while 8 others decode (one arrival at a time):",
             "",
-            "| policy | arrivals | prompt tokens | TTFT p50 (s) | TTFT p95 (s) "
+            "| policy (prefill) | arrivals | prompt tokens | TTFT p50 (s) | TTFT p95 (s) "
             "| step p50 / max during arrivals (s) |",
             "|---|---|---|---|---|---|",
         ]

@@ -221,8 +221,9 @@ class Engine:
             decoding = [t for t in work if t.logits is not None and not t.pending and t in self.active]
             continuing = [t for t in decoding if self._isolated(t, self._emit_next)]
         prefilling = [t for t in work if t.pending and t in self.active]
-        alone = [t for t in prefilling if _seq(t).tier is not None]  # recall: prompt-end probe path
-        packed = [t for t in prefilling if _seq(t).tier is None]
+        packs = self.config.packed_prefill
+        packed = [t for t in prefilling if packs and _seq(t).tier is None]  # recall: prompt-end probe
+        alone = [t for t in prefilling if not (packs and _seq(t).tier is None)]
         for turn in alone:
             self._isolated(turn, self._prefill_chunk)
         if packed:
@@ -479,7 +480,6 @@ class Engine:
             extra={"session_id": session.session_id, "request_id": turn.request.request_id,
                    "reason": reason.value, "generated_tokens": len(turn.generated)},
         )  # fmt: skip
-
 
     def _evict_idle(self, session_id: str) -> None:
         log.info("idle KV released for room", extra={"session_id": session_id})

@@ -340,3 +340,17 @@ def test_a_failing_packed_step_falls_back_and_fails_only_the_culprit(make_engine
     engine.run_until_idle()
     assert events_of(ok)[1].reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
     assert events_of(late)[1].reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
+
+
+def test_unpacked_reference_path_gives_the_same_tokens(model, make_engine):
+    results = {}
+    for packed in (True, False):
+        engine = make_engine(packed_prefill=packed)
+        engine.open_session("a", POLICIES[2], [])
+        first = engine.submit(TurnRequest("a", user(PROMPTS[0]), max_new_tokens=12))
+        engine.step()
+        engine.open_session("b", POLICIES[3], [])
+        second = engine.submit(TurnRequest("b", user(LONG), max_new_tokens=12))
+        engine.run_until_idle()
+        results[packed] = [[e.token_id for e in events_of(h)[0]] for h in (first, second)]
+    assert results[True] == results[False]
