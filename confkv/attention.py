@@ -11,6 +11,7 @@ import torch
 from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
 from transformers import AttentionInterface
 
+from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
 from confkv.cache import pending_cache
 from confkv.sequence import SequenceCache
 
@@ -57,6 +58,23 @@ def _attend_batched_decode(seqs: list[SequenceCache], layer: int, q: torch.Tenso
     return out.unsqueeze(2)
 
 
+def _attend_padded_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float):
+    """A decode batch in one padded call per layer on the reference path: q (B, Hq, 1, D)."""
+    for b, seq in enumerate(seqs):
+        seq.maybe_recall(layer, q[b], scaling)
+    views = [s.stores[layer].kv_views() for s in seqs]
+    out, masses = padded_decode_attention(q[:, :, 0], views, scaling)
+    fold_attention(seqs, layer, masses)
+    return out.unsqueeze(2)
+
+
+def _attend_decode_batch(seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float):
+    """q (B, Hq, 1, D), one token per sequence: Triton's ragged kernel, else the padded CPU call."""
+    if default_backend(q.device) is Backend.TRITON:
+        return _attend_batched_decode(seqs, layer, q, scaling)
+    return _attend_padded_decode(seqs, layer, q, scaling)
+
+
 def _fallback(query, key, value, scaling):
     """No Conf-KV cache in use: plain causal attention (keeps the model usable without our cache)."""
     groups = query.shape[1] // key.shape[1]
@@ -76,8 +94,10 @@ def confkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     cache = pending_cache(layer)
     if cache is None:
         out = _fallback(query, key, value, scaling)
-    elif query.shape[2] == 1 and len(cache.seqs) > 1 and default_backend(query.device) is Backend.TRITON:
-        out = _attend_batched_decode(cache.seqs, layer, query, scaling)
+    elif isinstance(cache, PackedCache):
+        out = packed_attention(cache, layer, query, scaling, _attend_one, _attend_decode_batch)
+    elif query.shape[2] == 1 and len(cache.seqs) > 1:
+        out = _attend_decode_batch(cache.seqs, layer, query, scaling)
     else:
         out = torch.stack([_attend_one(s, layer, query[b], scaling) for b, s in enumerate(cache.seqs)])
     return out.transpose(1, 2).contiguous(), None

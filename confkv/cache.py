@@ -66,6 +66,8 @@ class ConfKVCache(Cache):
     (continuous batching in the worker).
     """
 
+    packed = False  # one row holding several sequences' tokens (``confkv.batched.PackedCache``)
+
     def __init__(self, sequences: list[SequenceCache]):
         if not sequences:
             raise ValueError("ConfKVCache needs at least one sequence")
@@ -96,14 +98,18 @@ class ConfKVCache(Cache):
     # -- transformers Cache API -----------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
         """key/value (B, Hkv, M, D) of the new tokens; stored, then attended by ``attend``."""
-        if key_states.shape[0] != len(self.seqs):
+        if key_states.shape[0] != len(self.seqs) and not self.packed:
             raise ValueError(f"batch of {key_states.shape[0]} rows for a cache of {len(self.seqs)} sequences")
+        self.store(key_states, value_states, layer_idx)
+        _HANDOFF.cache, _HANDOFF.layer = self, layer_idx
+        return key_states, value_states
+
+    def store(self, key_states, value_states, layer_idx: int) -> None:
+        """Evict to make room, then append row b's new tokens to sequence b."""
         m = key_states.shape[2]
         for b, seq in enumerate(self.seqs):
             seq.before_append(layer_idx, m)
             seq.append(layer_idx, key_states[b], value_states[b])
-        _HANDOFF.cache, _HANDOFF.layer = self, layer_idx
-        return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (not stored): new tokens get their true position from this."""

@@ -174,9 +174,14 @@ class SequenceCache:
 
     def after_attention(self, layer: int, mass8: torch.Tensor, massf: torch.Tensor) -> None:
         """EMA update, then evict what a prompt chunk larger than the free room overflowed."""
-        store = self.stores[layer]
         if self.policy.needs_attention:
-            store.add_attention(mass8, massf, self.policy.decay)
+            self.stores[layer].add_attention(mass8, massf, self.policy.decay)
+        self.settle(layer)
+
+    def settle(self, layer: int) -> None:
+        """The part of ``after_attention`` after the EMA update (a batch folds its sequences'
+        EMAs in one call, ``confkv.batched.fold_attention``, then settles each sequence)."""
+        store = self.stores[layer]
         self._fit(layer)
         # before_append already demoted everything the window lets go of; FP tokens can only be
         # out of the window here when a chunk longer than the window arrived in one piece.

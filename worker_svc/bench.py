@@ -1,40 +1,76 @@
-"""Worker throughput: aggregate tokens/s of N sessions decoded together (continuous batching)
-versus the same N sessions run one after another, same process, same run.
+"""Worker throughput, measured in one process on the same prompts.
 
-    python -m worker_svc.bench --model smollm2 --batches 1,4,8 --json reports/worker.json
+    python -m worker_svc.bench --peer hf [--long] [--repeats 3]
+        our engine (``full`` and ``confkv``) against transformers' ``generate`` (padded batch,
+        sdpa) and ``generate_batch`` (continuous batching): decode-heavy batch 8, the batch 16/32
+        curve, optionally long context (``--long``), and time to first token of a session that
+        arrives while 8 others decode. Writes ``reports/worker.json`` and ``reports/worker.md``.
+    python -m worker_svc.bench --batches 1,4,8
+        continuous batching vs the same sessions one after another (``reports/worker_batching.*``).
 
-Writes ``reports/worker.json`` and ``reports/worker.md``. Greedy decoding, so batched and
-sequential runs must produce identical tokens (checked and reported).
+Greedy decoding with EOS ignored: batched and sequential runs must produce identical tokens
+(checked and reported); against transformers the share of identical sequences is reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
+import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from confkv.data import sample_text
+from confkv.data import sample_corpus, sample_text
+from worker_svc import bench_peer
 from worker_svc.engine import Engine
 from worker_svc.types import ChatMessage, EngineConfig, TokenEvent, TurnDone, TurnRequest
 
 CORPUS = sample_text("prideprejudice")  # shipped excerpt; --corpus FILE for another text
 DEFAULT_POLICIES = "confkv:n_high=96,n_low=48,p=16;full"
+DECODE_POLICIES = ("full", "confkv:n_high=96,n_low=84,p=16,slack=16")
+LONG_POLICIES = ("confkv:int8=1",)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    batch: int
+    prompt_chars: int
+    max_new: int
+    policies: tuple[str, ...]
+
+
+WORKLOADS = {
+    "decode": Workload("decode", 8, 200, 64, DECODE_POLICIES),
+    "b16": Workload("b16", 16, 200, 64, DECODE_POLICIES),
+    "b32": Workload("b32", 32, 200, 64, DECODE_POLICIES),
+    "long": Workload("long", 4, 17_000, 128, LONG_POLICIES),
+}
 
 
 def prompts(n: int, chars: int, corpus: Path) -> list[str]:
-    """``n`` distinct passages (about ``chars`` characters each) to summarise."""
+    """``n`` distinct passages (about ``chars`` characters each) to summarise; the other shipped
+    excerpts are appended when ``corpus`` is too short for ``n`` of them."""
     text = (
         corpus.read_text(encoding="utf-8", errors="ignore") if corpus.is_file() else "It is a truth. " * 4000
     )
+    for extra in sorted(sample_corpus().glob("austen_*.txt")):
+        if len(text) >= chars * (n + 1):
+            break
+        text += "\n" + extra.read_text(encoding="utf-8", errors="ignore")
     step = max(chars, len(text) // (n + 1))
     return [f"Summarise in one line: {' '.join(text[i * step : i * step + chars].split())}" for i in range(n)]
 
 
+# -- continuous batching vs sequential (the engine against itself) -------------------------------------
 def run_sessions(engine: Engine, policy: str, texts: list[str], max_new: int, together: bool, tag: str):
     """-> (tokens per session, seconds, peak bytes in use, largest batch)."""
     peak, batch = [0], [0]
@@ -89,17 +125,14 @@ def measure(engine: Engine, policy: str, batch: int, texts: list[str], max_new: 
     return row
 
 
-def markdown(report: dict) -> str:
+def batching_markdown(report: dict) -> str:
     lines = [
         "# Worker throughput: continuous batching vs sequential",
         "",
-        f"Model `{report['model']}`, {report['threads']} torch threads, "
-        f"{report['max_new_tokens']} new tokens per session (greedy, EOS ignored as in "
-        "throughput benchmarks), "
-        "prompts of about "
-        f"{report['prompt_tokens_mean']:.0f} tokens, prefill chunk "
-        f"{report['prefill_chunk']}. Load average at start {report['loadavg_start']}. Command: "
-        f"`{report['command']}`",
+        f"Model `{report['model']}`, {report['threads']} torch threads, {report['max_new_tokens']} new "
+        "tokens per session (greedy, EOS ignored as in throughput benchmarks), prompts of about "
+        f"{report['prompt_tokens_mean']:.0f} tokens, prefill chunk {report['prefill_chunk']}. Load average "
+        f"at start {report['loadavg_start']}. Command: `{report['command']}`",
         "",
         "| policy | batch | tokens | sequential tok/s | batched tok/s | speedup | peak KV batched (MiB) "
         "| same tokens |",
@@ -108,24 +141,166 @@ def markdown(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"| `{r['policy']}` | {r['batch']} | {r['generated_tokens']} | "
-            f"{r['sequential']['tokens_per_s']:.1f} | "
-            f"{r['batched']['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['sequential']['tokens_per_s']:.1f} | {r['batched']['tokens_per_s']:.1f} | "
+            f"{r['speedup']:.2f}x | "
             f"{r['batched']['peak_kv_bytes'] / 2**20:.2f} | {r['identical_tokens']} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+# -- against transformers ------------------------------------------------------------------------------
+def _same(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
+    """Every system ``args.repeats`` times, interleaved (so slow phases of a shared machine hit all
+    of them alike); medians of tokens/s, and ratios of medians."""
+    texts = prompts(wl.batch, wl.prompt_chars, args.corpus)
+    ids = [codec.encode_chat([ChatMessage("user", t)]) for t in texts]
+    chunk = args.prefill_chunk
+    config = EngineConfig(
+        kv_pool_bytes=1 << 36, max_batch_size=wl.batch, prefill_chunk=chunk, max_context_tokens=8192
+    )
+    engine = Engine(model, codec, config)
+    runs: dict[str, list[bench_peer.Run]] = {}
+    for rep in range(args.repeats):
+        systems = [("hf_generate", lambda: bench_peer.hf_padded_generate(model, ids, wl.max_new, pad_id))]
+        if bench_peer.has_continuous_batching(model) and not args.no_cb:
+            systems.append(
+                (
+                    "hf_generate_batch",
+                    lambda: bench_peer.hf_continuous_batching(model, ids, wl.max_new, chunk),
+                )
+            )
+        for policy in wl.policies:
+            systems.append((f"engine {policy}", functools.partial(
+                bench_peer.engine_run, engine, policy, texts, wl.max_new, f"r{rep}"
+            )))  # fmt: skip
+        for name, go in systems:
+            run = go()
+            runs.setdefault(name, []).append(run)
+            print(
+                f"{wl.name} rep {rep}: {name:48s} {run.tokens_per_s:7.2f} tok/s ({run.seconds:.1f} s)",
+                file=sys.stderr,
+            )
+    reference = runs["hf_generate"][0].tokens
+    systems_out: dict[str, dict[str, Any]] = {
+        name: {
+            "tokens_per_s_median": statistics.median(r.tokens_per_s for r in rs),
+            "tokens_per_s_runs": [round(r.tokens_per_s, 3) for r in rs],
+            "seconds_runs": [round(r.seconds, 3) for r in rs],
+            "generated_tokens": rs[0].generated,
+            "peak_kv_bytes": max(r.peak_kv_bytes for r in rs),
+            "same_tokens_as_hf_generate": _same(rs[0].tokens, reference),
+        }
+        for name, rs in runs.items()
+    }
+    base = systems_out["hf_generate"]["tokens_per_s_median"]
+    for out in systems_out.values():
+        out["vs_hf_generate"] = out["tokens_per_s_median"] / base
+    prompt_tokens = [len(i) for i in ids]
+    return {**asdict(wl), "prompt_tokens_mean": sum(prompt_tokens) / len(ids), "systems": systems_out}
+
+
+def ttft_workload(model, codec, args) -> dict:
+    """Sessions arriving one by one (about 400-token prompts) while 8 others decode."""
+    background = prompts(8, 200, args.corpus)
+    arriving = prompts(args.arrivals, 1600, sample_text("emma"))
+    out = {}
+    for policy, packed in itertools.product(DECODE_POLICIES, (False, True)):
+        config = EngineConfig(
+            kv_pool_bytes=1 << 36, max_batch_size=16, prefill_chunk=args.prefill_chunk, packed_prefill=packed
+        )
+        engine = Engine(model, codec, config)
+        got = bench_peer.ttft_under_load(engine, policy, background, arriving, "ttft")
+        key = f"{policy} ({'packed' if packed else 'chunk alone'})"
+        q = statistics.quantiles(got.ttft_s, n=20, method="inclusive")
+        steps = got.decode_step_s
+        out[key] = {
+            "packed_prefill": packed,
+            "arrivals": len(got.ttft_s),
+            "ttft_p50_s": statistics.median(got.ttft_s),
+            "ttft_p95_s": q[18],
+            "ttft_s": [round(x, 4) for x in got.ttft_s],
+            "step_p50_s": statistics.median(steps),
+            "step_max_s": max(steps),
+            "arriving_prompt_tokens_mean": sum(
+                len(codec.encode_chat([ChatMessage("user", t)])) for t in arriving
+            )
+            / len(arriving),
+        }
+        print(f"ttft {key}: p50 {out[key]['ttft_p50_s']:.3f} s p95 {out[key]['ttft_p95_s']:.3f} s",
+              file=sys.stderr)  # fmt: skip
+    return out
+
+
+def peer_markdown(report: dict) -> str:
+    lines = [
+        "# Worker throughput against transformers (same prompts, same process)",
+        "",
+        f"Model `{report['model']}`, {report['threads']} torch threads, greedy, EOS ignored, prefill chunk "
+        f"{report['prefill_chunk']}, transformers {report['transformers']}, torch {report['torch']}. "
+        f"Medians of {report['repeats']} interleaved runs. Load average at start {report['loadavg_start']}, "
+        f"at end {report['loadavg_end']}. Command: `{report['command']}`",
+        "",
+        "| workload | system | tok/s (median) | vs HF `generate` | runs | same tokens as HF `generate` |",
+        "|---|---|---|---|---|---|",
+    ]
+    for wl in report["workloads"]:
+        label = (
+            f"{wl['name']}: batch {wl['batch']}, ~{wl['prompt_tokens_mean']:.0f}-token prompts, "
+            f"{wl['max_new']} new"
+        )
+        for name, s in wl["systems"].items():
+            lines.append(
+                f"| {label} | `{name}` | {s['tokens_per_s_median']:.2f} | {s['vs_hf_generate']:.2f}x | "
+                f"{', '.join(f'{x:.1f}' for x in s['tokens_per_s_runs'])} | "
+                f"{s['same_tokens_as_hf_generate']:.0%} |"
+            )
+    if report.get("ttft"):
+        lines += [
+            "",
+            "Time to first token of a session arriving while 8 others decode (one arrival at a time):",
+            "",
+            "| policy (prefill) | arrivals | prompt tokens | TTFT p50 (s) | TTFT p95 (s) "
+            "| step p50 / max during arrivals (s) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for policy, t in report["ttft"].items():
+            lines.append(
+                f"| `{policy}` | {t['arrivals']} | {t['arriving_prompt_tokens_mean']:.0f} | "
+                f"{t['ttft_p50_s']:.3f} | {t['ttft_p95_s']:.3f} | "
+                f"{t['step_p50_s']:.3f} / {t['step_max_s']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="';'-separated policy specs")
+    parser.add_argument("--peer", choices=["hf"], help="compare with transformers instead of sequential runs")
+    parser.add_argument(
+        "--workloads", default="decode,b16,b32,ttft", help="with --peer: decode,b16,b32,long,ttft"
+    )
+    parser.add_argument(
+        "--long", action="store_true", help="with --peer: add the long-context workload (slow)"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arrivals", type=int, default=10)
+    parser.add_argument("--no-cb", action="store_true", help="skip transformers' generate_batch")
+    parser.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help="';'-separated policy specs (sequential mode)"
+    )
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prompt-chars", type=int, default=300)
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--corpus", type=Path, default=CORPUS)
-    parser.add_argument("--json", type=Path, default=Path("reports/worker.json"))
+    parser.add_argument(
+        "--json", type=Path, help="default reports/worker.json (--peer) or reports/worker_batching.json"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from confkv.models import load_model
@@ -133,33 +308,58 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_model(args.model)
     codec = HFChatCodec(tokenizer)
-    batches = [int(b) for b in args.batches.split(",")]
-    texts = prompts(max(batches), args.prompt_chars, args.corpus)
-    config = EngineConfig(
-        kv_pool_bytes=1 << 34, max_batch_size=max(batches), prefill_chunk=args.prefill_chunk
-    )
-    engine = Engine(model, codec, config)
-    run_sessions(engine, args.policies.split(";")[0], texts[:2], 4, True, "warmup")  # first forwards are slow
-    loadavg = [round(x, 2) for x in os.getloadavg()]
-    results = [
-        measure(engine, p, b, texts, args.max_new_tokens) for p in args.policies.split(";") for b in batches
-    ]
-    report = {
+    common = {
         "model": args.model,
         "threads": args.threads,
-        "max_new_tokens": args.max_new_tokens,
         "prefill_chunk": args.prefill_chunk,
-        "prompt_tokens_mean": sum(len(codec.encode_chat([ChatMessage("user", t)])) for t in texts)
-        / len(texts),
-        "loadavg_start": loadavg,
-        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "command": "python -m worker_svc.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "results": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
-    args.json.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    warm = Engine(model, codec, EngineConfig(kv_pool_bytes=1 << 34, prefill_chunk=args.prefill_chunk))
+    run_sessions(warm, "full", prompts(2, 200, args.corpus), 4, True, "warmup")  # first forwards are slow
+    if args.peer:
+        import transformers
+
+        names = [w for w in args.workloads.split(",") if w] + (["long"] if args.long else [])
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        bench_peer.hf_padded_generate(model, [[1, 2, 3]], 2, pad_id)  # warm transformers' path too
+        report = {
+            **common,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "repeats": args.repeats,
+            "workloads": [
+                peer_workload(model, codec, WORKLOADS[n], args, pad_id) for n in names if n in WORKLOADS
+            ],
+            "ttft": ttft_workload(model, codec, args) if "ttft" in names else {},
+        }
+        path, text = args.json or Path("reports/worker.json"), peer_markdown
+    else:
+        batches = [int(b) for b in args.batches.split(",")]
+        texts = prompts(max(batches), args.prompt_chars, args.corpus)
+        config = EngineConfig(
+            kv_pool_bytes=1 << 34, max_batch_size=max(batches), prefill_chunk=args.prefill_chunk
+        )
+        engine = Engine(model, codec, config)
+        results = [
+            measure(engine, p, b, texts, args.max_new_tokens)
+            for p in args.policies.split(";")
+            for b in batches
+        ]
+        tokens = [len(codec.encode_chat([ChatMessage("user", t)])) for t in texts]
+        mean = sum(tokens) / len(tokens)
+        report = {
+            **common,
+            "max_new_tokens": args.max_new_tokens,
+            "prompt_tokens_mean": mean,
+            "results": results,
+        }
+        path, text = args.json or Path("reports/worker_batching.json"), batching_markdown
+    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    path.with_suffix(".md").write_text(text(report))
+    print(text(report))
     return 0
 
 

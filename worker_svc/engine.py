@@ -1,9 +1,12 @@
 """Transport-free worker engine: many sessions, one model, continuous batching, a fixed KV pool.
 
 Each ``step()``: admit queued turns whose worst-case KV fits the pool (FIFO; idle sessions'
-caches are released, least recently used first, to make room), feed one prompt chunk per
-prefilling turn (eviction between chunks), then sample one token for every decoding turn and
-advance all of them in ONE batched forward over their ragged caches.
+caches are released, least recently used first, to make room), sample one token for every
+decoding turn, then advance everything in ONE forward: every decoding turn's token and one
+prompt chunk of every prefilling turn packed along one row (chunked prefill interleaved with
+decode, eviction between chunks; ``confkv.batched.PackedCache``), or the plain decode batch over
+the ragged caches when nobody is prefilling. Turns with a recall tier feed their chunks alone
+(the prompt end runs the recall probe).
 
 The pool arithmetic lives in ``KVPool`` (``kvpool.py``: invariant ``sum(reserved) <= pool``;
 every session's exact bytes stay within its reservation, a turn reserving ``min(policy peak
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import decode_one_token, forward, prefill_chunk_size, prompt_end_forward, sample
 from confkv.memory import KVGeometry
@@ -215,13 +219,18 @@ class Engine:
         if not work:
             return False
         started = time.perf_counter()
-        for turn in work:
-            if turn.pending:
-                self._isolated(turn, self._prefill_chunk)
         with self.lock:
             decoding = [t for t in work if t.logits is not None and not t.pending and t in self.active]
             continuing = [t for t in decoding if self._isolated(t, self._emit_next)]
-        if continuing:
+        prefilling = [t for t in work if t.pending and t in self.active]
+        packs = self.config.packed_prefill
+        packed = [t for t in prefilling if packs and _seq(t).tier is None]  # recall: prompt-end probe
+        alone = [t for t in prefilling if not (packs and _seq(t).tier is None)]
+        for turn in alone:
+            self._isolated(turn, self._prefill_chunk)
+        if packed:
+            self._mixed(continuing, packed)
+        elif continuing:
             self._decode(continuing)
         with self.lock:
             self.last_batch_size = len(continuing)
@@ -245,6 +254,37 @@ class Engine:
             log.warning("batched decode step failed; retrying its %d turns one by one", len(turns))
             for turn in turns:
                 self._isolated(turn, lambda t: self._forward([t]))
+
+    def _mixed(self, decoding: list[Turn], prefilling: list[Turn]) -> None:
+        """One packed forward: a token of every decoding turn and a prompt chunk of every
+        prefilling one (chunked prefill interleaved with decode). If it fails, the old way:
+        each chunk alone, then the decode batch, so only turns that fail by themselves fail."""
+        chunks = [[t.generated[-1]] for t in decoding]
+        for turn in prefilling:
+            size = prefill_chunk_size(ConfKVCache([_seq(turn)]), self.config.prefill_chunk)
+            chunks.append(turn.pending[:size])
+        turns = [*decoding, *prefilling]
+        try:
+            logits = packed_forward(self.model, [_seq(t) for t in turns], chunks)  # (B, V)
+        except Exception:
+            log.warning("packed step failed; retrying its %d turns the unpacked way", len(turns))
+            for turn in prefilling:
+                self._isolated(turn, self._prefill_chunk)
+            if decoding:
+                self._decode(decoding)
+            return
+        observed = []
+        for row, (turn, chunk) in enumerate(zip(turns, chunks, strict=True)):
+            turn.fed.extend(chunk)
+            if row >= len(decoding):  # a prompt chunk
+                turn.pending = turn.pending[len(chunk) :]
+                if turn.pending:
+                    continue
+                turn.session.state = SessionState.DECODE
+            turn.logits = logits[row]
+            observed.append(row)
+        if observed:  # the budgets of the next step follow these logits' confidence
+            ConfKVCache([_seq(turns[r]) for r in observed]).observe_logits(logits[observed])
 
     def _forward(self, turns: list[Turn]) -> None:
         tokens = torch.tensor([t.generated[-1] for t in turns], device=self.device)
@@ -442,7 +482,6 @@ class Engine:
             extra={"session_id": session.session_id, "request_id": turn.request.request_id,
                    "reason": reason.value, "generated_tokens": len(turn.generated)},
         )  # fmt: skip
-
 
     def _evict_idle(self, session_id: str) -> None:
         log.info("idle KV released for room", extra={"session_id": session_id})

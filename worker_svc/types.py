@@ -56,6 +56,9 @@ class EngineConfig:
     default_policy: str = "confkv"
     worker_id: str = "worker"
     host_pool_bytes: int | None = None  # cold tiers (recall=1) in host memory; None: no limit
+    # prompt chunks ride in the decode batch's forward (False: each chunk in its own forward first,
+    # the reference path the benchmark compares time to first token against)
+    packed_prefill: bool = True
 
     def __post_init__(self) -> None:
         positive = (

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from confkv.attention import enable
+from confkv.batched import PackedCache, packed_forward
 from confkv.cache import ConfKVCache
-from confkv.decode import generate
+from confkv.decode import forward, generate
+from tests.helpers import tiny_llama
 from worker_svc.codec import ByteChatCodec
 from worker_svc.types import (
     ChatMessage,
@@ -250,3 +253,104 @@ def test_host_pool_for_cold_tiers_is_never_exceeded(make_engine):
     tiny.open_session("big", spec, [])
     with pytest.raises(PoolExhausted, match="host pool holds 1000"):
         tiny.submit(TurnRequest("big", user(PROMPTS[0] * 3), max_new_tokens=8))
+
+
+# -- packed steps: arriving prompt chunks ride in the same forward as the others' decode tokens --
+LONG = "A long prompt that arrives while the others decode, so it needs several prefill chunks. " * 2
+
+
+def _forwards(model, calls: list[int]):
+    """Count model forwards (one per engine step when prefill and decode are packed)."""
+    return model.register_forward_hook(lambda *_: calls.append(1))
+
+
+def test_arrivals_while_others_decode_equal_each_alone(model, make_engine):
+    engine = make_engine()
+    handles = {}
+    for i, policy in enumerate(POLICIES[:2]):
+        engine.open_session(f"s{i}", policy, [])
+        handles[(policy, PROMPTS[i])] = engine.submit(
+            TurnRequest(f"s{i}", user(PROMPTS[i]), max_new_tokens=30)
+        )
+    for _ in range(6):
+        engine.step()  # s0, s1 are decoding now
+    calls: list[int] = []
+    hook = _forwards(model, calls)
+    for i, policy in enumerate(POLICIES[2:], start=2):
+        engine.open_session(f"s{i}", policy, [])
+        handles[(policy, LONG)] = engine.submit(TurnRequest(f"s{i}", user(LONG), max_new_tokens=20))
+    per_step = []
+    while True:
+        before = len(calls)
+        if not engine.step():
+            break
+        per_step.append(len(calls) - before)
+        for session in engine.sessions.values():
+            if session.seq is not None:
+                assert engine.session_report(session.session_id).kv_bytes == exact_bytes(session.seq)
+    hook.remove()
+    assert max(per_step) == 1  # every step, arriving prompt chunks included, was at most ONE forward
+    for (policy, prompt), handle in handles.items():
+        tokens, done = events_of(handle)
+        got = [e.token_id for e in tokens] + ([ByteChatCodec.END] if done.reason is FinishReason.EOS else [])
+        max_new = 30 if prompt in PROMPTS else 20
+        assert got == alone(model, policy, prompt, max_new, 16), policy
+
+
+def test_packed_forward_equals_separate_forwards():
+    model = tiny_llama(layers=2, seed=3)
+    enable(model)
+    policies = ["full", "confkv:n_high=24,n_low=12,p=4,s=2,int8=1,w=8"]
+    history = [torch.randint(1, 100, (1, n)) for n in (9, 21)]
+    chunks = [[5], list(range(10, 22))]  # one decode token, one prompt chunk
+    caches = [ConfKVCache.for_model(model, p) for p in policies]
+    packed = [ConfKVCache.for_model(model, p) for p in policies]
+    for cache, other, ids in zip(caches, packed, history, strict=True):
+        forward(model, cache, ids)
+        forward(model, other, ids)
+    expected = torch.cat(
+        [forward(model, c, torch.tensor([ids]))[:, -1] for c, ids in zip(caches, chunks, strict=True)]
+    )
+    got = packed_forward(model, [c.seqs[0] for c in packed], chunks)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(caches, packed, strict=True):
+        assert a.seqs[0].nbytes() == b.seqs[0].nbytes() and a.seqs[0].seen_tokens == b.seqs[0].seen_tokens
+        assert sorted(a.seqs[0].stores[1].meta("pos").tolist()) == sorted(
+            b.seqs[0].stores[1].meta("pos").tolist()
+        )
+
+
+def test_packed_cache_rejects_bad_lengths(model):
+    seq = ConfKVCache.for_model(model, "full").seqs[0]
+    with pytest.raises(ValueError, match="one positive token count"):
+        PackedCache([seq], [0])
+
+
+def test_a_failing_packed_step_falls_back_and_fails_only_the_culprit(make_engine, monkeypatch):
+    engine = make_engine()
+    engine.open_session("ok", "full", [])
+    ok = engine.submit(TurnRequest("ok", user(PROMPTS[0]), max_new_tokens=6))
+    engine.step()
+    engine.step()
+    monkeypatch.setattr(
+        "worker_svc.engine.packed_forward", lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
+    engine.open_session("late", "window:n=24", [])
+    late = engine.submit(TurnRequest("late", user(PROMPTS[1]), max_new_tokens=6))
+    engine.run_until_idle()
+    assert events_of(ok)[1].reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
+    assert events_of(late)[1].reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
+
+
+def test_unpacked_reference_path_gives_the_same_tokens(model, make_engine):
+    results = {}
+    for packed in (True, False):
+        engine = make_engine(packed_prefill=packed)
+        engine.open_session("a", POLICIES[2], [])
+        first = engine.submit(TurnRequest("a", user(PROMPTS[0]), max_new_tokens=12))
+        engine.step()
+        engine.open_session("b", POLICIES[3], [])
+        second = engine.submit(TurnRequest("b", user(LONG), max_new_tokens=12))
+        engine.run_until_idle()
+        results[packed] = [[e.token_id for e in events_of(h)[0]] for h in (first, second)]
+    assert results[True] == results[False]
