@@ -197,7 +197,13 @@ class RecallTier:
         return g
 
     def reselect(
-        self, layer: int, store: LayerStore, g: torch.Tensor, protected: torch.Tensor, capacity: int, max_recall: int
+        self,
+        layer: int,
+        store: LayerStore,
+        g: torch.Tensor,
+        protected: torch.Tensor,
+        capacity: int,
+        max_recall: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt-end re-selection of ``layer``'s hot set by the probe's importance ``g``.
         Hot tokens (one slot each) and cold pages (``max_recall`` tokens at most, whole pages)

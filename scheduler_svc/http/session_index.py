@@ -21,7 +21,8 @@ from typing import Protocol
 
 from scheduler_svc.domain import Message
 from scheduler_svc.errors import StoreUnavailable
-from scheduler_svc.store import RedisStore, SessionStore
+from scheduler_svc.store import SessionStore
+from scheduler_svc.store_redis import RedisStore
 
 
 def canonical(messages: Sequence[Message]) -> list[tuple[str, str]]:

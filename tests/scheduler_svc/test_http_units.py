@@ -13,7 +13,7 @@ from scheduler_svc.errors import Conflict, InvalidArgument, ResourceExhausted, S
 from scheduler_svc.http.errors import from_scheduler
 from scheduler_svc.http.session_index import MemoryPrefixIndex, RedisPrefixIndex, transcript_key
 from scheduler_svc.stops import StopMatcher, check_stops, cut_result
-from scheduler_svc.store import RedisStore
+from scheduler_svc.store_redis import RedisStore
 from tests.helpers import delete_prefix, shared_redis_or_skip, unique_prefix
 
 
