@@ -35,9 +35,9 @@ class SwitchableStore(MemoryStore):
         self.ping()
         return super().get(session_id)
 
-    def create(self, record) -> None:
+    def create(self, record, request_id: str = ""):
         self.ping()
-        super().create(record)
+        return super().create(record, request_id)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_full_admission_queue_is_429(model):
     try:
         api = openai.OpenAI(base_url=stack.base_url, api_key=ALICE, max_retries=0, timeout=60)
         first = api.chat.completions.create(
-            model=HTTP_MODEL, messages=[{"role": "user", "content": "long one"}], max_tokens=400, stream=True
+            model=HTTP_MODEL, messages=[{"role": "user", "content": "long one"}], max_tokens=1500, stream=True
         )
         next(iter(first))  # the first turn holds the pool
         with pytest.raises(openai.RateLimitError) as info:
