@@ -3,11 +3,13 @@
 Triggers:
   prompt end  always (``decode.prompt_end_forward``): the last ``obs`` tokens of a prompt (the
               question; SnapKV's observation window) first run as a probe in which every layer
-              scores its cold tokens exactly (attention mass relative to the hot set, max per
-              page) and votes; votes are summed over layers (a small model's retrieval heads
-              sit in a few layers, so one layer's view is noisy), the probe is rolled back, the
-              best-voted pages are *swapped* into every layer (up to ``rtok`` tokens, the
-              lowest-scored hot tokens go cold), and the tail runs for real.
+              scores its hot and cold tokens exactly (attention mass relative to the hot set);
+              each layer's share is normalized and summed over layers (a small model's
+              retrieval heads sit in a few layers, so one layer's view is noisy) and max-pooled
+              over neighbouring positions; the probe is rolled back, each layer's hot set is
+              re-selected by that importance (the best hot tokens and cold pages, at most
+              ``rtok`` recalled tokens, fill the unprotected slots; what they displace goes
+              cold), and the tail runs for real.
   gate        confkv: an unsure step (c < tau) gets the n_high budget and the room above the
               hot set is *filled* with the pages whose key bounds score best against the
               step's query (Quest-style, ``confkv_kernels.page_scores``); confident steps read
@@ -147,7 +149,7 @@ class RecallTier:
         return fire
 
     def swap_tokens(self, layer_budget: int) -> int:
-        return self.policy.rtok or max(self.policy.page, layer_budget // 16)
+        return self.policy.rtok or max(self.policy.page, layer_budget // 2)
 
     # -- store hooks ------------------------------------------------------------------------------------
     def add_evicted(self, layer: int, tokens: dict[str, torch.Tensor]) -> int:

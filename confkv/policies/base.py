@@ -31,9 +31,10 @@ class CachePolicy:
 
     Recall tier (``recall=1``, storage like ``int8``, orthogonal to ranking; confkv/recall.py):
     evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped. At the
-    end of every prompt / new turn the last ``obs`` prompt tokens probe the cold tokens in every
-    layer and the pages with the most attention mass (summed over layers), up to ``rtok`` tokens
-    (0: a sixteenth of the layer budget, at least a page), are swapped in. On decode steps
+    end of every prompt / new turn the last ``obs`` prompt tokens probe every hot and cold token
+    in every layer; each layer's hot set is re-selected by that importance (summed over layers):
+    the most important hot tokens and cold pages (at most ``rtok`` recalled tokens; 0: half the
+    layer budget, at least a page) take the slots the protected tokens leave. On decode steps
     ``trigger`` decides:
     ``gate`` (confkv: an unsure step fills the n_high - n_low room with the pages whose key
     bounds score best), ``random`` (steps drawn at ``rate``), ``every`` (every ``every`` steps)
@@ -58,7 +59,7 @@ class CachePolicy:
     recall: bool = False
     page: int = 32
     rtok: int = 0
-    obs: int = 2
+    obs: int = 32
     hold: int = 16
     trigger: str | None = None  # gate | prompt | random | every
     rate: float = 0.0
