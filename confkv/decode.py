@@ -38,8 +38,12 @@ def prefill_chunk_size(cache: ConfKVCache, requested: int) -> int:
 
 
 def observation_window(cache: ConfKVCache) -> int:
-    """Prompt-end probe length: the largest ``obs`` among the recall sequences (0: none)."""
-    return max((s.policy.obs for s in cache.seqs if s.policy.recall), default=0)
+    """Prompt-end probe length: the largest ``obs`` among the recall sequences (0: none), each at
+    most a quarter of its smallest layer budget (the probed tail must leave room to re-select)."""
+    return max(
+        (max(1, min(s.policy.obs, min(s.layer_budgets) // 4)) for s in cache.seqs if s.policy.recall),
+        default=0,
+    )
 
 
 @torch.no_grad()

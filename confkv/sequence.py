@@ -255,6 +255,8 @@ class SequenceCache:
             protect_from = self.seen_tokens + incoming - self.policy.protected
             protected = (pos >= protect_from) | (pos < self.policy.s)
             capacity = budget - int(protected.sum()) - incoming
+            if capacity <= 0:
+                continue
             keep, slots = tier.reselect(layer, store, g, protected, capacity, tier.swap_tokens(budget))
             store.pin(keep & ~protected, until)
             if slots.numel():

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from confkv.attention import enable
 from confkv.cache import ConfKVCache
 from confkv.cold import ColdStore
-from confkv.decode import teacher_forced_logits
+from confkv.decode import prefill, teacher_forced_logits
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.storage import LayerStore
@@ -29,7 +29,7 @@ RECALL_SPECS = [
     "h2o:n=64,recall=1,page=8",
     "sinks:s=4,n=64,int8=1,w=16,recall=1,page=8,rtok=16,cold_bytes=20000",
     "window:n=64,recall=1,page=4,trigger=every,every=3",
-    "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8",
+    "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8,obs=4",
 ]
 
 
@@ -259,3 +259,45 @@ def test_worst_case_cold_bytes_and_plan_host_column():
         )
     )
     assert plan["host_bytes_per_session"] > plan["session_bytes_worst"] > 0
+
+
+def test_prompt_end_reselection_takes_what_the_probe_ranks_first(tiny_model, token_ids):
+    """reselect: protected tokens stay, hot tokens and whole cold pages are chosen by importance
+    within the capacity, at most max_recall tokens come back, and the top-ranked cold page wins."""
+    cache = ConfKVCache.for_model(tiny_model, "h2o:n=64,recall=1,page=8")
+    prefill(tiny_model, cache, token_ids[:, :200])
+    seq = cache.seqs[0]
+    tier, store, cold = seq.tier, seq.stores[0], seq.tier.cold[0]
+    assert cold.n_tokens > 0
+    length = seq.seen_tokens
+    g = torch.rand(length, generator=torch.Generator().manual_seed(0)) * 0.1
+    target = next(iter(cold.slot_of))  # a cold page id
+    g[target * 8 : target * 8 + 8] = 5.0
+    pos = store.meta("pos")
+    protected = pos >= length - seq.policy.protected
+    capacity = seq.hot_budget(0) - int(protected.sum())
+    keep, slots = tier.reselect(0, store, g, protected, capacity, max_recall=16)
+    assert bool(keep[protected].all())
+    taken = int(cold.page_counts()[slots].sum())
+    assert taken <= 16
+    assert int((keep & ~protected).sum()) + taken <= capacity
+    assert cold.slot_of[target] in slots.tolist()
+    # the chosen hot tokens are the most important unprotected ones
+    chosen, dropped = g[pos[keep & ~protected]], g[pos[~keep]]
+    if chosen.numel() and dropped.numel():
+        assert float(chosen.min()) >= float(dropped.max())
+
+
+def test_prompt_end_recall_keeps_the_hot_budget(tiny_model, token_ids):
+    """A whole prompt end (probe, rollback, re-selection, tail) never exceeds the hot budget and
+    conserves tokens; recalled tokens come back with their true positions."""
+    cache = ConfKVCache.for_model(tiny_model, "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=8,obs=8")
+    prefill(tiny_model, cache, token_ids[:, :220])
+    seq = cache.seqs[0]
+    assert seq.stats.recalled_tokens > 0
+    for layer, store in enumerate(seq.stores):
+        assert len(store) <= seq.layer_budgets[layer]
+        pos = store.meta("pos")
+        assert pos.unique().numel() == pos.numel() and int(pos.max()) < seq.seen_tokens
+        cold = seq.tier.cold[layer]
+        assert len(store) + cold.n_tokens + cold.dropped_tokens == seq.seen_tokens
