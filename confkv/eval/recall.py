@@ -89,7 +89,9 @@ def prompt_ids(tokenizer, item: dict) -> torch.Tensor:
 
 
 def is_correct(continuation: str, answer: str) -> bool:
-    return continuation.strip().startswith(answer.strip())
+    """The continuation starts with the answer, after whitespace and opening quotes or markup
+    (``"WH-2409".`` answers WH-2409)."""
+    return continuation.strip().lstrip("\"'`*(").strip().startswith(answer.strip())
 
 
 def _answer(model, tok, policy, ids, config: RecallConfig) -> dict:
