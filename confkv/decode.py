@@ -80,16 +80,18 @@ def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int 
 @torch.no_grad()
 def prompt_end_forward(model, cache: ConfKVCache, input_ids: torch.Tensor) -> torch.Tensor:
     """The final chunk of a prompt (B, M). With recall, its last ``obs`` tokens first run as a
-    probe on the recall sequences: every layer's queries vote for cold pages (exact attention
-    mass relative to the hot set, summed over layers), the probe is rolled back, the best-voted
-    pages are swapped into every layer, and the tail runs for real. -> logits (B, 1, V)."""
+    probe on the recall sequences that have cold tokens or will evict: every layer's queries
+    vote for hot tokens and cold pages (exact attention mass, summed over layers), the probe is
+    rolled back, each layer's hot set is re-selected and pinned by the votes (within the
+    confident-step budget, so the first answer step keeps it), and the tail runs for real.
+    -> logits (B, 1, V)."""
     probe = min(observation_window(cache), input_ids.shape[1])
     if probe == 0:
         return forward(model, cache, input_ids)
     head, tail = input_ids[:, :-probe], input_ids[:, -probe:]
     if head.shape[1]:
         forward(model, cache, head)
-    rows = [b for b, s in enumerate(cache.seqs) if s.tier is not None and s.tier.cold_bytes() > 0]
+    rows = [b for b, s in enumerate(cache.seqs) if s.needs_probe(probe)]
     if not rows:
         return forward(model, cache, tail)
     sub = ConfKVCache([cache.seqs[b] for b in rows])

@@ -112,9 +112,10 @@ class RecallTier:
         slot = geometry.int8_token_bytes if policy.int8 else geometry.fp_token_bytes
         self.slot_bytes = slot
         floor = policy.n_low if isinstance(policy, GatedPolicy) else policy.budget_rule().peak
-        floors = policy.layer_budgets(floor, geometry.n_layers)
+        # the per-layer budgets of a confident step: what the prompt-end choice must fit in
+        self.floors = policy.layer_budgets(floor, geometry.n_layers)
         page_bytes = self.cold[0].page_summary_bytes
-        self.max_pages = [max(1, int(SUMMARY_SHARE * f * slot) // page_bytes) for f in floors]
+        self.max_pages = [max(1, int(SUMMARY_SHARE * f * slot) // page_bytes) for f in self.floors]
         per_layer = policy.cold_bytes // geometry.n_layers if policy.cold_bytes else None
         self.max_cold_tokens = per_layer // geometry.int8_token_bytes if per_layer else 1 << 62
 
@@ -122,6 +123,15 @@ class RecallTier:
     def summary_tokens(self, layer: int) -> int:
         """Hot token slots the layer's page summaries stand in for (they share the budget)."""
         return math.ceil(self.cold[layer].summary_bytes() / self.slot_bytes)
+
+    def floor_hot_budget(self, layer: int, length: int | None = None) -> int:
+        """Hot token slots ``layer`` keeps on a confident step: its floor less the page
+        summaries, now or (``length``) at most once any of ``length`` positions go cold."""
+        if length is None:
+            return self.floors[layer] - self.summary_tokens(layer)
+        cold = self.cold[layer]
+        pages = min(self.max_pages[layer], max(cold.n_pages, math.ceil(length / self.policy.page)))
+        return self.floors[layer] - math.ceil(pages * cold.page_summary_bytes / self.slot_bytes)
 
     def cold_bytes(self) -> int:
         return sum(c.nbytes() for c in self.cold)

@@ -229,6 +229,16 @@ class SequenceCache:
         if self.tier is not None:
             self.tier.mode = mode
 
+    def needs_probe(self, incoming: int) -> bool:
+        """A prompt-end probe is worth running: tokens are cold, or some layer will have to
+        evict once ``incoming`` more arrive (the probe then decides what stays)."""
+        tier = self.tier
+        if tier is None:
+            return False
+        if tier.cold_bytes() > 0:
+            return True
+        return any(len(s) + incoming > tier.floor_hot_budget(i) for i, s in enumerate(self.stores))
+
     def rollback(self, start: int) -> None:
         """Forget the tokens at positions >= ``start`` (the probe) in every layer."""
         for layer, store in enumerate(self.stores):
@@ -250,11 +260,14 @@ class SequenceCache:
         until = self.seen_tokens + incoming + self.policy.hold
         n = 0
         for layer, store in enumerate(self.stores):
-            budget = self.hot_budget(layer)
+            # fit the confident-step budget: what the first answer step trims to keeps the choice
+            # (page summaries that the trim opens included)
+            budget = min(self.hot_budget(layer), tier.floor_hot_budget(layer, self.seen_tokens + incoming + 1))
             pos = store.meta("pos")
             protect_from = self.seen_tokens + incoming - self.policy.protected
             protected = (pos >= protect_from) | (pos < self.policy.s)
-            capacity = budget - int(protected.sum()) - incoming
+            # the tail, then the first answer token (and the eviction slack) arrive on top
+            capacity = budget - int(protected.sum()) - incoming - 1 - self.policy.slack
             if capacity <= 0:
                 continue
             keep, slots = tier.reselect(layer, store, g, protected, capacity, tier.swap_tokens(budget))

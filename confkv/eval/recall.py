@@ -104,6 +104,7 @@ def _answer(model, tok, policy, ids, config: RecallConfig) -> dict:
     cold = [row["cold_bytes"] for row in out.trace] or [cache.seqs[0].cold_nbytes()]
     return {
         "text": text,
+        "decode_steps": len(out.tokens),
         "peak_kv_bytes": int(cache.seqs[0].stats.peak_bytes),
         "mean_kv_bytes": sum(kv) / len(kv),
         "seconds": time.perf_counter() - start,
@@ -141,6 +142,8 @@ def run_recall(model, tok, items: list[dict], config: RecallConfig, progress: bo
             "peak_cold_bytes": max(a["peak_cold_bytes"] for a in answers),
             "mean_cold_bytes": sum(a["mean_cold_bytes"] for a in answers) / len(answers),
             "recalled_tokens": sum(a["recalled_tokens"] for a in answers),
+            "recall_steps": sum(a["recall_steps"] for a in answers),
+            "decode_steps": sum(a["decode_steps"] for a in answers),
         }
     return results, per_item
 

@@ -301,3 +301,28 @@ def test_prompt_end_recall_keeps_the_hot_budget(tiny_model, token_ids):
         assert pos.unique().numel() == pos.numel() and int(pos.max()) < seq.seen_tokens
         cold = seq.tier.cold[layer]
         assert len(store) + cold.n_tokens + cold.dropped_tokens == seq.seen_tokens
+
+
+def test_prompt_end_choice_survives_the_first_confident_step(tiny_model, token_ids):
+    """A prompt that fits n_high but not n_low has nothing cold at the probe, yet the first
+    confident step trims to n_low: the probe still runs, its choice fits the n_low budget and
+    every token it pinned is still hot after that step (what the trim evicts goes cold)."""
+    from confkv.decode import decode_one_token
+
+    spec = "confkv:n_high=64,n_low=40,p=8,s=2,recall=1,page=8,obs=8"
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    seq = cache.seqs[0]
+    assert seq.needs_probe(8) is False  # empty cache: nothing to decide
+    prefill(tiny_model, cache, token_ids[:, :60])
+    assert seq.tier.cold_bytes() == 0 or seq.stats.evicted_tokens > 0
+    pinned = []
+    for layer, store in enumerate(seq.stores):
+        mask = store.meta("pin") >= store.next_pos
+        assert int(mask.sum()) <= seq.tier.floor_hot_budget(layer)
+        pinned.append(set(store.meta("pos")[mask].tolist()))
+    assert any(pinned), "the probe pinned nothing"
+    seq.observe_confidence(1.0)  # sure: the next step keeps n_low
+    decode_one_token(tiny_model, cache, token_ids[:, 60])
+    for layer, store in enumerate(seq.stores):
+        assert len(store) <= seq.layer_budgets[layer]
+        assert pinned[layer] <= set(store.meta("pos").tolist())
