@@ -85,24 +85,28 @@ def run(contexts, specs, steps, repeats, text_file) -> dict:
             if isinstance(r, _ConfKVRunner):
                 row[name]["kv_bytes"] = r.cache.nbytes()
                 row[name]["peak_kv_bytes"] = r.cache.peak_bytes
+                row[name]["cold_bytes"] = r.cache.seqs[0].cold_nbytes()
+                row[name]["recalled_tokens"] = r.cache.seqs[0].stats.recalled_tokens
         results[str(ctx)] = row
         print(ctx, {k: round(v["tokens_per_s"], 2) for k, v in row.items()}, flush=True)
     return results
 
 
-def write_reports(results, specs, out: Path, argv) -> None:
-    base = "full"
+def write_reports(results, specs, out: Path, argv, name: str = "decode_speed") -> None:
+    base = specs[0]  # the ratios are to the first policy named (full by default)
     lines = [
-        "| context | policy | tokens/s (median) | vs full | vs hf-sdpa | KV MiB |",
-        "|---|---|---|---|---|---|",
+        f"| context | policy | tokens/s (median) | vs {base} | vs hf-sdpa | KV MiB | cold MiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for ctx, row in results.items():
         for name, v in row.items():
             kv = f"{v['kv_bytes'] / 2**20:.1f}" if "kv_bytes" in v else "-"
+            cold = f"{v['cold_bytes'] / 2**20:.1f}" if "cold_bytes" in v else "-"
             ratio = v["tokens_per_s"] / row[base]["tokens_per_s"] if base in row else float("nan")
             ratio_hf = v["tokens_per_s"] / row["hf-sdpa"]["tokens_per_s"]
             lines.append(
-                f"| {ctx} | {name} | {v['tokens_per_s']:.2f} | {ratio:.2f}x | {ratio_hf:.2f}x | {kv} |"
+                f"| {ctx} | {name} | {v['tokens_per_s']:.2f} | {ratio:.2f}x | {ratio_hf:.2f}x"
+                f" | {kv} | {cold} |"
             )
     meta = {
         "command": "python -m confkv.bench_decode " + " ".join(argv),
@@ -111,11 +115,11 @@ def write_reports(results, specs, out: Path, argv) -> None:
         "model": "smollm2 (SmolLM2-135M-Instruct, fp32)",
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_speed.json").write_text(
+    (out / f"{name}.json").write_text(
         json.dumps({**meta, "policies": specs, "results": results}, indent=1)
     )
     md = [f"# Decode speed ({meta['date']})", "", f"`{meta['command']}` on {meta['machine']}.", ""]
-    (out / "decode_speed.md").write_text("\n".join(md + lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(md + lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -131,11 +135,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--text-file", default=str(CORPUS))
     p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--name", default="decode_speed", help="report file stem under --out")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [s for s in args.policies.split(";") if s]
     results = run(contexts, specs, args.steps, args.repeats, args.text_file)
-    write_reports(results, specs, args.out, argv)
+    write_reports(results, specs, args.out, argv, args.name)
     return 0
 
 
