@@ -262,7 +262,8 @@ class SequenceCache:
         for layer, store in enumerate(self.stores):
             # fit the confident-step budget: what the first answer step trims to keeps the choice
             # (page summaries that the trim opens included)
-            budget = min(self.hot_budget(layer), tier.floor_hot_budget(layer, self.seen_tokens + incoming + 1))
+            floor = tier.floor_hot_budget(layer, self.seen_tokens + incoming + 1)
+            budget = min(self.hot_budget(layer), floor)
             pos = store.meta("pos")
             protect_from = self.seen_tokens + incoming - self.policy.protected
             protected = (pos >= protect_from) | (pos < self.policy.s)
