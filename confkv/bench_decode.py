@@ -115,9 +115,7 @@ def write_reports(results, specs, out: Path, argv, name: str = "decode_speed") -
         "model": "smollm2 (SmolLM2-135M-Instruct, fp32)",
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(
-        json.dumps({**meta, "policies": specs, "results": results}, indent=1)
-    )
+    (out / f"{name}.json").write_text(json.dumps({**meta, "policies": specs, "results": results}, indent=1))
     md = [f"# Decode speed ({meta['date']})", "", f"`{meta['command']}` on {meta['machine']}.", ""]
     (out / f"{name}.md").write_text("\n".join(md + lines) + "\n")
 
