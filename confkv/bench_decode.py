@@ -99,13 +99,13 @@ def write_reports(results, specs, out: Path, argv, name: str = "decode_speed") -
         "|---|---|---|---|---|---|---|",
     ]
     for ctx, row in results.items():
-        for name, v in row.items():
+        for policy, v in row.items():
             kv = f"{v['kv_bytes'] / 2**20:.1f}" if "kv_bytes" in v else "-"
             cold = f"{v['cold_bytes'] / 2**20:.1f}" if "cold_bytes" in v else "-"
             ratio = v["tokens_per_s"] / row[base]["tokens_per_s"] if base in row else float("nan")
             ratio_hf = v["tokens_per_s"] / row["hf-sdpa"]["tokens_per_s"]
             lines.append(
-                f"| {ctx} | {name} | {v['tokens_per_s']:.2f} | {ratio:.2f}x | {ratio_hf:.2f}x"
+                f"| {ctx} | {policy} | {v['tokens_per_s']:.2f} | {ratio:.2f}x | {ratio_hf:.2f}x"
                 f" | {kv} | {cold} |"
             )
     meta = {
