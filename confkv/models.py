@@ -8,6 +8,7 @@ any weights load, instead of after a minute of hub retries offline.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -61,10 +62,14 @@ def smollm2_dir() -> Path:
         import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it)
     except ImportError:
         raise ModelNotFoundError(f"loading the GGUF default model needs gguf: {SMOLLM2_INSTALL}") from None
+    import sys
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    print(f"confkv: converting the embedded SmolLM2 once (cached in {target})", file=sys.stderr)
+    with _quiet_gguf_bar():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # type: ignore[assignment]  # weights are already de-quantized to fp32; save them as plain HF
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -79,6 +84,22 @@ def smollm2_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar():
+    """transformers' GGUF reader draws a raw tqdm bar; silence it unless HF bars are wanted."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") != "1" or not hasattr(gguf_utils, "tqdm"):
+        yield
+        return
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda it, *a, **k: it  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _looks_like_path(name: str) -> bool:
