@@ -45,6 +45,11 @@ class ColdStore:
         self.hi8 = torch.zeros(0, h, d, dtype=torch.int8, device=sd)
         self.sscale = torch.zeros(0, h, dtype=torch.float16, device=sd)
         self.live = torch.zeros(0, dtype=torch.bool, device=sd)
+        # keys evicted since the bounds were last widened (slot, offset, k8, ks per token; on the
+        # hot device): widening is batched, at most a page of tokens late, and always done
+        # before the bounds are read or a slot is freed
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_n = 0
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
@@ -104,7 +109,23 @@ class ColdStore:
         self.ema[slot_t, off_t] = tokens["ema"].to(pd)
         self.cum[slot_t, off_t] = tokens["cum"].to(pd)
         self.n_tokens += m
-        self._widen_bounds(slots.to(self.device), local.to(self.device), offset, tokens["k"], tokens["ks"])
+        slot_tok = slots.to(self.device)[local.to(self.device)]
+        self._pending.append((slot_tok, offset.to(self.device), tokens["k"], tokens["ks"]))
+        self._pending_n += m
+        if self._pending_n >= self.page:
+            self.flush_bounds()
+
+    def flush_bounds(self) -> None:
+        """Widen the bounds of the pages that received keys since the last flush (one batched
+        update instead of one per eviction)."""
+        if not self._pending:
+            return
+        slot_tok, offset, k8, ks = zip(*self._pending, strict=True)
+        slot_tok, offset = torch.cat(slot_tok), torch.cat(offset)
+        k8, ks = torch.cat(k8, dim=1), torch.cat(ks, dim=1)  # (Hkv, n, D), (Hkv, n)
+        self._pending, self._pending_n = [], 0
+        slots, local = torch.unique(slot_tok, return_inverse=True)
+        self._widen_bounds(slots, local, offset, k8, ks)
 
     def _widen_bounds(self, slots, local, offset, k8, ks) -> None:
         """Merge the new keys into the pages' bounds: summarize the new tokens as pages, then
@@ -128,6 +149,7 @@ class ColdStore:
     # -- out -------------------------------------------------------------------------------------------
     def scores(self, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
         """(capacity,) upper bound of each page's best relative log-weight; -inf for free slots."""
+        self.flush_bounds()
         s = page_scores(q, self.lo8, self.hi8, self.sscale, lse, scaling)
         return s.masked_fill(~self.live, float("-inf"))
 
@@ -154,6 +176,7 @@ class ColdStore:
         return {name: t.to(self.device, non_blocking=True) for name, t in out.items()}
 
     def _free_slots(self, slots: torch.Tensor) -> None:
+        self.flush_bounds()  # pending keys name slots by index: settle them before reuse
         self.n_tokens -= int(self.valid[slots].sum())
         self.valid[slots] = False
         for slot, pid in zip(slots.tolist(), self.page_id[slots].tolist(), strict=True):
