@@ -127,6 +127,20 @@ class ColdStore:
         slots, local = torch.unique(slot_tok, return_inverse=True)
         self._widen_bounds(slots, local, offset, k8, ks)
 
+    def _forget_pending(self, slots: torch.Tensor) -> None:
+        """Pending keys of pages leaving their slots are moot (the slot's bounds are reset)."""
+        if not self._pending:
+            return
+        kept = []
+        for slot_tok, offset, k8, ks in self._pending:
+            stay = ~torch.isin(slot_tok, slots)
+            if bool(stay.all()):
+                kept.append((slot_tok, offset, k8, ks))
+            elif bool(stay.any()):
+                kept.append((slot_tok[stay], offset[stay], k8[:, stay], ks[:, stay]))
+        self._pending = kept
+        self._pending_n = sum(p[0].shape[0] for p in kept)
+
     def _widen_bounds(self, slots, local, offset, k8, ks) -> None:
         """Merge the new keys into the pages' bounds: summarize the new tokens as pages, then
         summarize {old lo, old hi, new lo, new hi} as 4-token pages (bounds are INT8 keys too)."""
@@ -176,7 +190,7 @@ class ColdStore:
         return {name: t.to(self.device, non_blocking=True) for name, t in out.items()}
 
     def _free_slots(self, slots: torch.Tensor) -> None:
-        self.flush_bounds()  # pending keys name slots by index: settle them before reuse
+        self._forget_pending(slots.to(self.device))
         self.n_tokens -= int(self.valid[slots].sum())
         self.valid[slots] = False
         for slot, pid in zip(slots.tolist(), self.page_id[slots].tolist(), strict=True):
