@@ -120,9 +120,9 @@ class ColdStore:
         update instead of one per eviction)."""
         if not self._pending:
             return
-        slot_tok, offset, k8, ks = zip(*self._pending, strict=True)
-        slot_tok, offset = torch.cat(slot_tok), torch.cat(offset)
-        k8, ks = torch.cat(k8, dim=1), torch.cat(ks, dim=1)  # (Hkv, n, D), (Hkv, n)
+        parts = list(zip(*self._pending, strict=True))
+        slot_tok, offset = torch.cat(parts[0]), torch.cat(parts[1])
+        k8, ks = torch.cat(parts[2], dim=1), torch.cat(parts[3], dim=1)  # (Hkv, n, D), (Hkv, n)
         self._pending, self._pending_n = [], 0
         slots, local = torch.unique(slot_tok, return_inverse=True)
         self._widen_bounds(slots, local, offset, k8, ks)

@@ -95,7 +95,7 @@ def _quiet_gguf_bar():
         yield
         return
     original = gguf_utils.tqdm
-    gguf_utils.tqdm = lambda it, *a, **k: it  # type: ignore[assignment]
+    gguf_utils.tqdm = lambda it, *a, **k: it
     try:
         yield
     finally:
