@@ -114,11 +114,22 @@ def decode_one_token(model, cache: ConfKVCache, tokens: torch.Tensor) -> torch.T
     return logits
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None):
-    """(B, V) -> (B,) greedy when temperature == 0."""
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    top_p: float = 1.0,
+):
+    """(B, V) -> (B,) greedy when temperature == 0; with ``top_p`` < 1 only the smallest set of
+    most likely tokens whose probability reaches ``top_p`` can be drawn (nucleus sampling)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above each one
+        sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -80,6 +80,14 @@ def check_max_new_tokens(value: int, limit: int = MAX_NEW_TOKENS_LIMIT) -> int:
     return value
 
 
+def check_top_p(value: float) -> float:
+    """Nucleus sampling mass: a finite value in (0, 1]; 1 keeps the whole distribution."""
+    value = float(value)
+    if not math.isfinite(value) or not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value!r}")
+    return value
+
+
 def check_temperature(value: float) -> float:
     """0 (greedy) or a finite value in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
     value = float(value)
@@ -99,12 +107,14 @@ class Sampling:
     max_new_tokens: int = 0
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         check_max_new_tokens(self.max_new_tokens)
         check_temperature(self.temperature)
+        check_top_p(self.top_p)
         if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
 
     def with_max_new_tokens(self, value: int) -> Sampling:
-        return Sampling(value, self.temperature, self.seed)
+        return Sampling(value, self.temperature, self.seed, self.top_p)

@@ -59,6 +59,7 @@ class SchedulerClient:
         temperature: float = 0.0,
         timeout: float = 600,
         request_id: str | None = None,
+        top_p: float = 1.0,
     ) -> Iterator[pb.ChatEvent]:
         """One turn's events. ``request_id`` (default: a fresh random one) makes a retry
         exactly-once: send the same id again when the outcome is unknown."""
@@ -67,6 +68,7 @@ class SchedulerClient:
             content=content,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            top_p=top_p,
             request_id=request_id or secrets.token_hex(12),
         )
         return self.stub.Chat(request, metadata=self.metadata, timeout=timeout)

@@ -222,6 +222,7 @@ class Scheduler:
         temperature: float = 0.0,
         seed: int = 0,
         *,
+        top_p: float = 1.0,
         principal: str = ANONYMOUS,
         request_id: str = "",
         cancelled: threading.Event | None = None,
@@ -237,7 +238,7 @@ class Scheduler:
         try:
             limits.check_request_id(request_id)
             limits.check_max_new_tokens(max_new_tokens, self.config.max_new_tokens_limit)
-            sampling = Sampling(max_new_tokens, temperature, seed)
+            sampling = Sampling(max_new_tokens, temperature, seed, top_p)
             stops = check_stops(stop)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None

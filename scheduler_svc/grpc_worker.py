@@ -132,6 +132,7 @@ class GrpcWorkerClient:
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             seed=sampling.seed,
+            top_p=sampling.top_p,
             request_id=request_id,
         )
         call = self._stub.Generate(request, metadata=self._metadata, timeout=self._turn_timeout)

@@ -122,6 +122,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 request.max_new_tokens,
                 request.temperature,
                 request.seed,
+                top_p=request.top_p or 1.0,
                 principal=current_principal(),
                 request_id=request.request_id,
                 cancelled=gone,

@@ -32,6 +32,7 @@ def check_session_id(session_id: str) -> None:
 def check_sampling(request: TurnRequest) -> None:
     try:
         limits.check_temperature(request.temperature)
+        limits.check_top_p(request.top_p)
         limits.check_request_id(request.request_id)
         if not 0 <= request.seed <= limits.MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64 - 1], got {request.seed}")

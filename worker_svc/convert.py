@@ -44,6 +44,7 @@ def turn_request(request: pb.GenerateRequest) -> TurnRequest:
         max_new_tokens=request.max_new_tokens,
         temperature=request.temperature,
         seed=request.seed,
+        top_p=request.top_p or 1.0,
         request_id=request.request_id,
     )
 

@@ -429,7 +429,8 @@ class Engine:
     def _emit_next(self, turn: Turn) -> bool:
         """Sample the turn's next token and stream it; returns True when it must be fed."""
         assert turn.logits is not None  # set by the last prefill chunk or decode step
-        token = int(sample(turn.logits[None], turn.request.temperature, turn.generator)[0])
+        request = turn.request
+        token = int(sample(turn.logits[None], request.temperature, turn.generator, request.top_p)[0])
         turn.generated.append(token)
         if token in self.codec.eos_ids and not turn.request.ignore_eos:
             self._finish(turn, FinishReason.EOS)
@@ -497,4 +498,4 @@ class Engine:
 
 
 def _rest(request: TurnRequest) -> tuple:
-    return request.temperature, request.seed, request.request_id, request.ignore_eos
+    return request.temperature, request.seed, request.top_p, request.request_id, request.ignore_eos

@@ -106,6 +106,7 @@ class TurnRequest:
     max_new_tokens: int = 0  # 0 = engine default
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
     request_id: str = ""
     ignore_eos: bool = False  # benchmarks: always generate max_new_tokens (not on the wire)
 

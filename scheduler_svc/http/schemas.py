@@ -4,7 +4,7 @@ scheduler's domain: messages, sampling, stops, the ``kv_policy`` extension.
 Accepted as OpenAI documents them: ``messages`` (text content or text parts), ``max_tokens`` /
 ``max_completion_tokens``, ``temperature`` (0..2), ``top_p``, ``seed``, ``stop``, ``n`` = 1,
 ``stream`` and ``stream_options.include_usage``. Features this server cannot honour (``n`` > 1,
-tools, logprobs, penalties, JSON mode, nucleus sampling together with temperature) are refused
+tools, logprobs, penalties, JSON mode) are refused
 with 400 naming the parameter, never silently ignored. Unknown fields are ignored (as vLLM does).
 """
 
@@ -84,6 +84,7 @@ class TurnRequest:
     max_new_tokens: int
     temperature: float
     seed: int
+    top_p: float
     stops: tuple[str, ...]
     policy: str
     stream: bool
@@ -119,8 +120,6 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
             raise ApiError(400, f"{name} is not supported (use 0 or leave it out)", name)
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise ApiError(400, "only response_format type 'text' is supported", "response_format")
-    if req.top_p is not None and req.top_p < 1.0 and req.temperature:
-        raise ApiError(400, "nucleus sampling (top_p < 1) is not supported; use temperature", "top_p")
 
 
 def _temperature(value: float | None) -> float:
@@ -157,6 +156,7 @@ def to_turn(req: ChatCompletionRequest) -> TurnRequest:
         max_new_tokens=req.max_completion_tokens or req.max_tokens or 0,
         temperature=_temperature(req.temperature),
         seed=req.seed or 0,
+        top_p=1.0 if req.top_p is None else req.top_p,
         stops=_stops(req.stop),
         policy=(req.kv_policy or "").strip(),
         stream=req.stream,

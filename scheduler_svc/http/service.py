@@ -124,6 +124,7 @@ class ChatService:
             turn.max_new_tokens,
             turn.temperature,
             turn.seed,
+            top_p=turn.top_p,
             principal=principal,
             cancelled=gone,
             stop=turn.stops,

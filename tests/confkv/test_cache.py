@@ -135,3 +135,15 @@ def test_api_errors_are_value_errors(tiny_model):
         generate(tiny_model, cache, torch.ones(1, 3, dtype=torch.long), -1)
     with pytest.raises(ValueError, match="unknown policy"):
         ConfKVCache.for_model(tiny_model, "lru")
+
+
+def test_nucleus_sampling_draws_only_from_the_top_p_mass():
+    """top_p keeps the smallest set of most likely tokens whose mass reaches top_p: here the
+    top two (0.5 + 0.3 >= 0.7); the top token always stays; top_p=1 is plain sampling."""
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log().expand(400, 4)
+    g = torch.Generator().manual_seed(0)
+    drawn = sample(logits, 1.0, g, top_p=0.7)
+    assert set(drawn.tolist()) == {0, 1}
+    assert set(sample(logits, 1.0, g, top_p=1e-9).tolist()) == {0}
+    assert set(sample(logits, 1.0, g, top_p=1.0).tolist()) == {0, 1, 2, 3}

@@ -64,6 +64,17 @@ def test_non_streamed_completion_usage_and_extension(live):
     ]
 
 
+def test_nucleus_sampling_reaches_the_worker(live):
+    """top_p travels HTTP -> scheduler -> worker: a nucleus too small for a second token makes a
+    hot sampled reply equal the greedy one (two principals: two fresh sessions)."""
+    messages = [{"role": "user", "content": "Tell me about the sea"}]
+    greedy = client(live).chat.completions.create(model=HTTP_MODEL, messages=messages, max_tokens=8)
+    nucleus = client(live, BOB).chat.completions.create(
+        model=HTTP_MODEL, messages=messages, max_tokens=8, temperature=2.0, top_p=1e-6, seed=5
+    )
+    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+
+
 def test_streamed_equals_non_streamed_and_reports_usage(live):
     messages = [{"role": "user", "content": "Stream me something"}]
     plain = client(live).chat.completions.create(model=HTTP_MODEL, messages=messages, max_tokens=7)
