@@ -61,6 +61,7 @@ def session_to_proto(report: SessionReport) -> pb.SessionFootprint:
         cached_tokens=report.cached_tokens,
         context_tokens=report.context_tokens,
         turns=report.turns,
+        cold_bytes=report.cold_bytes,
     )
 
 
@@ -78,6 +79,9 @@ def footprint_to_proto(fp: Footprint) -> pb.WorkerFootprint:
         sessions=[session_to_proto(s) for s in fp.sessions],
         unix_ms=int(time.time() * 1000),
         draining=fp.draining,
+        host_capacity_bytes=fp.host_capacity_bytes,
+        host_used_bytes=fp.host_used_bytes,
+        host_reserved_bytes=fp.host_reserved_bytes,
     )
 
 

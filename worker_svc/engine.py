@@ -186,6 +186,7 @@ class Engine:
     def footprint(self, include_sessions: bool = True) -> Footprint:
         with self.lock:
             sessions = tuple(self._report(s) for s in self.sessions.values())
+            host = self.host_pool
             return Footprint(
                 worker_id=self.config.worker_id,
                 capacity_bytes=self.config.kv_pool_bytes,
@@ -198,6 +199,9 @@ class Engine:
                 tokens_per_second=self.meter.rate(),
                 draining=self.draining,
                 sessions=sessions if include_sessions else (),
+                host_capacity_bytes=self.config.host_pool_bytes or 0,
+                host_used_bytes=sum(s.cold_nbytes() for s in self.sessions.values()),
+                host_reserved_bytes=host.reserved_bytes,
             )
 
     def session_report(self, session_id: str) -> SessionReport:

@@ -105,6 +105,7 @@ class Session:
             cached_tokens=len(seq.stores[0]) if seq else 0,
             context_tokens=seq.seen_tokens if seq else 0,
             turns=len(self.transcript),
+            cold_bytes=self.cold_nbytes(),
         )
 
 

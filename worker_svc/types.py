@@ -123,6 +123,7 @@ class SessionReport:
     cached_tokens: int
     context_tokens: int
     turns: int
+    cold_bytes: int = 0  # recall=1: the session's cold tier (host memory on a GPU)
 
 
 @dataclass(frozen=True)
@@ -175,3 +176,6 @@ class Footprint:
     tokens_per_second: float
     draining: bool
     sessions: tuple[SessionReport, ...] = field(default_factory=tuple)
+    host_capacity_bytes: int = 0  # 0 = unbounded
+    host_used_bytes: int = 0
+    host_reserved_bytes: int = 0

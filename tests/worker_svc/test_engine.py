@@ -249,6 +249,15 @@ def test_host_pool_for_cold_tiers_is_never_exceeded(make_engine):
     assert seen and max(seen) <= 60_000 and max(seen) > 0
     assert all(events_of(h)[1].reason in (FinishReason.EOS, FinishReason.MAX_TOKENS) for h in handles)
     assert engine.host_pool.reserved_bytes <= 60_000
+    # the footprint (and its proto) reports the cold tiers beside the hot bytes
+    from worker_svc.convert import footprint_to_proto
+
+    fp = engine.footprint()
+    assert fp.host_capacity_bytes == 60_000 and fp.host_reserved_bytes == engine.host_pool.reserved_bytes
+    assert fp.host_used_bytes == sum(r.cold_bytes for r in fp.sessions) > 0
+    wire = footprint_to_proto(fp)
+    assert wire.host_used_bytes == fp.host_used_bytes
+    assert sorted(r.cold_bytes for r in wire.sessions) == sorted(r.cold_bytes for r in fp.sessions)
     tiny = make_engine(host_pool_bytes=1_000)
     tiny.open_session("big", spec, [])
     with pytest.raises(PoolExhausted, match="host pool holds 1000"):
