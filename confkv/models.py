@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,8 +63,6 @@ def smollm2_dir() -> Path:
         import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it)
     except ImportError:
         raise ModelNotFoundError(f"loading the GGUF default model needs gguf: {SMOLLM2_INSTALL}") from None
-    import sys
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"confkv: converting the embedded SmolLM2 once (cached in {target})", file=sys.stderr)
