@@ -20,7 +20,8 @@ the HTTP status (``HTTP429``) or the client's error type.
 
 Honest accounting: a user that crashes (``user:<Exception>``, e.g. a missing ``--corpus``) and a
 turn still streaming when the run stops (``Chat:UNFINISHED``; it is cancelled, so the server stops
-generating it) are failures. The run exits 1 when anything failed or no turn completed.
+generating it) are failures. The run exits 1 when anything failed or no turn completed. Once the
+run (or a ramp-down) stops a user, it starts no new turn: its conversation ends between turns.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from pathlib import Path  # noqa: E402
 import grpc  # noqa: E402
 from gevent import GreenletExit  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
+from locust.runners import STATE_CLEANUP, STATE_STOPPED, STATE_STOPPING  # noqa: E402
+from locust.user.users import LOCUST_STATE_STOPPING  # noqa: E402
 
 from loadtest.client import SchedulerClient  # noqa: E402
 from loadtest.conversations import SYSTEM_PROMPT, ConversationConfig, conversation, load_corpus  # noqa: E402
@@ -148,6 +151,16 @@ class ConversationUser(User):
         if self.client is not None:
             self.client.close()  # cancels a turn still streaming
 
+    def _stopping(self) -> bool:
+        """The run (or a ramp-down) is stopping this user: finish the turn in flight, start none.
+
+        Checked before every call: locust decides to stop a waiting user and kills it a moment
+        later, so a user whose wait ends in between would otherwise start a turn only to have it
+        cut (and counted unfinished) although the run had already stopped."""
+        runner = self.environment.runner
+        stopping_run = runner is not None and runner.state in (STATE_STOPPING, STATE_CLEANUP, STATE_STOPPED)
+        return stopping_run or self._state == LOCUST_STATE_STOPPING
+
     def _crashed(self, error: Exception) -> None:
         """A user that dies is a failure of the run, not a silent absence."""
         self._fire("user", time.perf_counter(), error=error)
@@ -190,10 +203,14 @@ class ConversationUser(User):
     def _conversation(self) -> None:
         assert self.client is not None
         options = self.environment.parsed_options
+        if self._stopping():
+            return
         session = self._call("CreateSession", self.client.create_session, options.policy, options.model)
         if session is None:
             return
         for turn in conversation(self.corpus, next(_seeds), self.config):
+            if self._stopping():
+                break
             reply = self._call("Chat", self.client.chat, session, turn, options.max_new_tokens)
             if reply is None:
                 break
@@ -236,6 +253,8 @@ class OpenAIConversationUser(ConversationUser):
         options = self.environment.parsed_options
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         for turn in conversation(self.corpus, next(_seeds), self.config):
+            if self._stopping():
+                return
             messages.append({"role": turn.role, "content": turn.content})
             started = time.perf_counter()
             try:

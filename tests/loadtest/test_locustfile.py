@@ -99,3 +99,45 @@ def test_unfinished_turns_fail_and_are_cancelled(tmp_path):
     assert done.returncode != 0
     assert result["turns"] == 0 and result["failures"].get("Chat:UNFINISHED") == 2
     assert len(fake.cancelled) == 2, fake.cancelled
+
+
+STOPPING_PROBE = """
+import json, sys
+from types import SimpleNamespace
+from locust.env import Environment
+from locust.runners import STATE_CLEANUP, STATE_RUNNING
+import loadtest.locustfile as lf
+
+class Client:
+    def __init__(self): self.calls = []
+    def create_session(self, policy, model): self.calls.append("CreateSession"); return "s0"
+    def chat(self, session, turn, max_new_tokens):
+        self.calls.append("Chat")
+        return SimpleNamespace(metrics=lf.TurnMetrics(tokens=1, seconds=0.01, ttft_s=0.01, itl_s=()))
+    def end_session(self, session): self.calls.append("EndSession")
+    def close(self): pass
+
+options = SimpleNamespace(policy="full", model="", max_new_tokens=2, turns=3, page_chars=200, corpus="")
+env = Environment(user_classes=[lf.ConversationUser], parsed_options=options, events=lf.events)
+runner = env.create_local_runner()
+out = {}
+for state in (STATE_RUNNING, STATE_CLEANUP):
+    runner.state = state
+    user = lf.ConversationUser(env)
+    user.client, user.corpus = Client(), lf.load_corpus()
+    user.config = lf.ConversationConfig(page_chars=200, turns=3)
+    user._conversation()
+    out[state] = user.client.calls
+print(json.dumps(out))
+"""
+
+
+def test_a_stopping_run_starts_no_turn():
+    """Locust decides to stop a waiting user, then kills it a moment later; a user whose wait ends
+    in between must not start a turn (it would be cut and counted unfinished, a false failure)."""
+    done = subprocess.run([sys.executable, "-c", STOPPING_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = json.loads(done.stdout.strip().splitlines()[-1])
+    assert calls["running"] == ["CreateSession", "Chat", "Chat", "Chat", "EndSession"]
+    assert calls["cleanup"] == []
