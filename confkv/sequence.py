@@ -224,6 +224,18 @@ class SequenceCache:
         self._refresh_bytes(layer)
         return n
 
+    def demote_to_cold(self) -> int:
+        """Idle demotion (a serving worker's answer to hot-memory pressure between turns): move
+        every hot token except the protected ones (sinks and the recent window) to the cold tier,
+        where the next turn's prompt-end probe can recall them. Returns the tokens moved; 0 when
+        there is no cold tier or nothing left to move. Positions, scores and bytes stay exact."""
+        if self.tier is None:
+            return 0
+        moved = 0
+        for layer in range(self.geometry.n_layers):
+            moved += self.evict_to(layer, self.policy.s + self.policy.protected)
+        return moved
+
     # -- prompt end: probe, roll back, re-select hot sets by the probe ------------------------------------
     def arm(self, mode: RecallMode) -> None:
         if self.tier is not None:

@@ -101,6 +101,13 @@ class Cluster:
 
     def reservation(self, model: str, policy_spec: str) -> int:
         """Worst-case KV bytes of a session of ``policy_spec`` on ``model`` (validates both)."""
+        return self._reservations(model, policy_spec)[0]
+
+    def host_reservation(self, model: str, policy_spec: str) -> int:
+        """Worst-case host (cold-tier) bytes of such a session; 0 without ``recall=1``."""
+        return self._reservations(model, policy_spec)[1]
+
+    def _reservations(self, model: str, policy_spec: str) -> tuple[int, int]:
         try:
             policy = parse_policy(policy_spec)
         except ValueError as err:
@@ -111,9 +118,10 @@ class Cluster:
         if report is None:
             raise InvalidArgument(f"no worker serves model {model!r}; served: {', '.join(served) or 'none'}")
         try:
-            return reservation_bytes(policy, report.geometry, report.max_context)
+            hot = reservation_bytes(policy, report.geometry, report.max_context)
         except ValueError as err:  # e.g. a byte budget too small for this model
             raise InvalidArgument(str(err)) from None
+        return hot, policy.worst_case_cold_bytes(report.geometry, report.max_context)
 
     # -- placement -----------------------------------------------------------------------------
     def location(self, session_id: str) -> str | None:
@@ -126,13 +134,23 @@ class Cluster:
         with self._cond:
             return self.placer.largest_capacity(model)
 
+    def host_capacity(self, model: str) -> int | None:
+        """The largest host pool among the model's workers (None: one has no host limit)."""
+        with self._cond:
+            return self.placer.largest_host_capacity(model)
+
     def max_transcript_chars(self, model: str) -> int:
         with self._cond:
             caps = [r.max_transcript_chars for r in self.reports.values() if r.model == model]
         return min((c for c in caps if c > 0), default=0)
 
     def request(
-        self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()
+        self,
+        session_id: str,
+        model: str,
+        need: int,
+        exclude: frozenset[str] = frozenset(),
+        host_need: int = 0,
     ) -> Ticket:
         """Join the fair queue for ``need`` bytes; the ticket is admitted at once if room exists
         and nobody of the same model waits ahead. Raises when it can never or not now be queued."""
@@ -145,7 +163,13 @@ class Cluster:
                     f"this session needs up to {need} KV bytes, more than the largest worker pool "
                     f"({largest} bytes); choose a smaller budget (e.g. a bytes= policy)"
                 )
-            ticket = self.queue.push(session_id, model, need, exclude)
+            host = self.placer.largest_host_capacity(model)
+            if host is not None and host_need > host:
+                raise ResourceExhausted(
+                    f"this session's cold tier needs up to {host_need} host bytes, more than the largest "
+                    f"worker host pool ({host} bytes); bound it with cold_bytes=N"
+                )
+            ticket = self.queue.push(session_id, model, need, exclude, host_need)
             self._drain()
             self._mark_admitted(ticket)
             return ticket

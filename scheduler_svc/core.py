@@ -162,6 +162,14 @@ class Scheduler:
                 f"({largest} bytes), so it could never run: choose a bounded policy (e.g. window:n=512 "
                 "or bytes=...), or give the workers a larger --kv-pool-bytes"
             )
+        host_need = self.cluster.host_reservation(model, policy)
+        host = self.cluster.host_capacity(model)
+        if host is not None and host_need > host:
+            raise ResourceExhausted(
+                f"a {policy!r} session's cold tier needs up to {host_need} host bytes, more than the "
+                f"largest worker host pool ({host} bytes): bound it with cold_bytes=N, or give the "
+                "workers a larger --host-pool-bytes"
+            )
         self._check_fits(model, transcript, None)
         now = self.clock()
         record = SessionRecord(
@@ -336,11 +344,12 @@ class Scheduler:
         is replayed. Generator: yields a QueuedEvent while waiting for room; returns the address."""
         session_id = record.session_id
         need = self.cluster.reservation(record.model, record.policy)
+        host_need = self.cluster.host_reservation(record.model, record.policy)
         excluded: set[str] = set()
         last_error: SchedulerError = Unavailable("could not place the session")
         for _ in range(self.config.open_attempts):
             current = self.cluster.location(session_id)
-            ticket = self.cluster.request(session_id, record.model, need, frozenset(excluded))
+            ticket = self.cluster.request(session_id, record.model, need, frozenset(excluded), host_need)
             try:
                 if ticket.address is None:
                     yield QueuedEvent(self.cluster.position(ticket), f"waiting for {need} bytes of KV room")

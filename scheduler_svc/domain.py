@@ -56,6 +56,10 @@ class WorkerReport:
     active: int = 0
     queued: int = 0
     max_transcript_chars: int = 0  # 0 = unknown (then only the shared absolute cap applies)
+    # the host pool for recall=1 cold tiers: 0 capacity = no limit (or an older worker)
+    host_capacity_bytes: int = 0
+    host_used_bytes: int = 0
+    session_cold_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

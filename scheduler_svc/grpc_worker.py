@@ -106,6 +106,9 @@ class GrpcWorkerClient:
             active=fp.active_sessions,
             queued=fp.queued_requests,
             max_transcript_chars=info.max_transcript_chars,
+            host_capacity_bytes=fp.host_capacity_bytes,
+            host_used_bytes=fp.host_used_bytes,
+            session_cold_bytes={s.session_id: s.cold_bytes for s in fp.sessions if s.cold_bytes},
         )
 
     def open(self, session_id: str, policy: str, transcript: list[Message]) -> None:

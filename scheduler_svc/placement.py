@@ -9,6 +9,11 @@ running turn's there plus any bytes the worker reports for sessions this schedul
 know; so no worker's reported bytes can exceed its capacity. ``admit`` returns ``None`` when
 nothing fits (like vLLM's ``allocate_slots``); the caller then waits in a bounded FIFO
 ``AdmissionQueue``. A session's current worker is preferred (its KV is warm there).
+
+Sessions with a cold tier (``recall=1``) also need host memory on the worker (its
+``--host-pool-bytes``): a turn's worst-case cold bytes (``host_need``) are reserved the same way
+against the worker's reported host pool, so placement never sends a recall session where its cold
+tier cannot fit. A worker that reports no host capacity has no host limit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class WorkerSlot:
     reported_sessions: dict[str, int] = field(default_factory=dict)
     reservations: dict[str, int] = field(default_factory=dict)
     healthy: bool = True
+    host_capacity_bytes: int = 0  # 0: no host limit
+    host_reported_used: int = 0
+    reported_cold: dict[str, int] = field(default_factory=dict)
+    host_reservations: dict[str, int] = field(default_factory=dict)
 
     @property
     def reserved_bytes(self) -> int:
@@ -59,8 +68,21 @@ class WorkerSlot:
     def committed_bytes(self) -> int:
         return self.reserved_bytes + self.external_bytes
 
-    def fits(self, need: int) -> bool:
-        return self.healthy and self.committed_bytes + need <= self.capacity_bytes
+    @property
+    def host_committed_bytes(self) -> int:
+        """Host bytes reserved for running turns plus cold bytes of sessions placed elsewhere (as
+        for hot bytes, idle sessions of ours are not counted: the worker frees them for room)."""
+        known = sum(b for s, b in self.reported_cold.items() if s in self.located)
+        return sum(self.host_reservations.values()) + max(0, self.host_reported_used - known)
+
+    def fits(self, need: int, host_need: int = 0) -> bool:
+        if not self.healthy or self.committed_bytes + need > self.capacity_bytes:
+            return False
+        return (
+            not host_need
+            or not self.host_capacity_bytes
+            or (self.host_committed_bytes + host_need <= self.host_capacity_bytes)
+        )
 
     def stats(self) -> WorkerStats:
         return WorkerStats(
@@ -89,6 +111,9 @@ class Placer:
         slot.capacity_bytes = report.capacity_bytes
         slot.reported_used = report.used_bytes
         slot.reported_sessions = dict(report.session_bytes)
+        slot.host_capacity_bytes = report.host_capacity_bytes
+        slot.host_reported_used = report.host_used_bytes
+        slot.reported_cold = dict(report.session_cold_bytes)
         slot.healthy = True
 
     def mark_down(self, address: str) -> list[str]:
@@ -101,24 +126,38 @@ class Placer:
         for session_id in lost:
             self.release(session_id)
         slot.reported_used, slot.reported_sessions = 0, {}
+        slot.host_reported_used, slot.reported_cold = 0, {}
         return lost
 
     def largest_capacity(self, model: str) -> int:
         return max((w.capacity_bytes for w in self.workers.values() if w.model == model), default=0)
 
+    def largest_host_capacity(self, model: str) -> int | None:
+        """The largest host pool among the model's workers; None when one has no host limit."""
+        caps = [w.host_capacity_bytes for w in self.workers.values() if w.model == model]
+        return None if not caps or 0 in caps else max(caps)
+
     def serves(self, model: str, healthy_only: bool = False) -> bool:
         return any(w.model == model and (w.healthy or not healthy_only) for w in self.workers.values())
 
     def admit(
-        self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()
+        self,
+        session_id: str,
+        model: str,
+        need: int,
+        exclude: frozenset[str] = frozenset(),
+        host_need: int = 0,
     ) -> str | None:
-        """Reserve ``need`` bytes for a turn: on the session's current worker if it fits there,
-        else on the worker with the most headroom; None when none fits."""
+        """Reserve ``need`` bytes (and ``host_need`` host bytes for a cold tier) for a turn: on
+        the session's current worker if it fits there, else on the worker with the most
+        headroom; None when none fits."""
         current = self.location.get(session_id)
         if current is not None and session_id in self.workers[current].reservations:
             return current
         fitting = [
-            w for w in self.workers.values() if w.model == model and w.address not in exclude and w.fits(need)
+            w
+            for w in self.workers.values()
+            if w.model == model and w.address not in exclude and w.fits(need, host_need)
         ]
         if not fitting:
             return None
@@ -126,22 +165,27 @@ class Placer:
         best = here or max(
             fitting, key=lambda w: (w.capacity_bytes - w.committed_bytes, -len(w.reservations))
         )
-        self.adopt(session_id, best.address, need)
+        self.adopt(session_id, best.address, need, host_need)
         return best.address
 
-    def adopt(self, session_id: str, address: str, need: int) -> None:
+    def adopt(self, session_id: str, address: str, need: int, host_need: int = 0) -> None:
         """Record a running turn's reservation on ``address`` (the session now lives there)."""
         if self.location.get(session_id) != address:
             self.release(session_id)
         slot = self.workers[address]
         slot.reservations[session_id] = need
+        if host_need:
+            slot.host_reservations[session_id] = host_need
         slot.located.add(session_id)
         self.location[session_id] = address
 
     def finish(self, session_id: str) -> int:
         """The turn ended: give back its reservation; the session stays located (idle)."""
         address = self.location.get(session_id)
-        return self.workers[address].reservations.pop(session_id, 0) if address else 0
+        if not address:
+            return 0
+        self.workers[address].host_reservations.pop(session_id, None)
+        return self.workers[address].reservations.pop(session_id, 0)
 
     def release(self, session_id: str) -> int:
         """The session's KV is gone (or being dropped): no location, no reservation."""
@@ -151,6 +195,8 @@ class Placer:
         slot = self.workers[address]
         slot.located.discard(session_id)
         slot.reported_sessions.pop(session_id, None)  # its bytes are gone with the session
+        slot.reported_cold.pop(session_id, None)
+        slot.host_reservations.pop(session_id, None)
         return slot.reservations.pop(session_id, 0)
 
     def strays(self, address: str) -> list[str]:
@@ -172,6 +218,7 @@ class Ticket:
     seq: int
     address: str | None = None
     exclude: frozenset[str] = frozenset()
+    host_need: int = 0
 
 
 class AdmissionQueue:
@@ -188,12 +235,19 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def push(self, session_id: str, model: str, need: int, exclude: frozenset[str] = frozenset()) -> Ticket:
+    def push(
+        self,
+        session_id: str,
+        model: str,
+        need: int,
+        exclude: frozenset[str] = frozenset(),
+        host_need: int = 0,
+    ) -> Ticket:
         if len(self._waiting) >= self.limit:
             raise ResourceExhausted(
                 f"KV pool full and the admission queue is full ({self.limit} waiting); retry later"
             )
-        ticket = Ticket(session_id, model, need, next(self._seq), exclude=exclude)
+        ticket = Ticket(session_id, model, need, next(self._seq), exclude=exclude, host_need=host_need)
         self._waiting[ticket.seq] = ticket
         return ticket
 
@@ -212,7 +266,9 @@ class AdmissionQueue:
         for ticket in list(self._waiting.values()):
             if ticket.model in blocked:
                 continue
-            address = placer.admit(ticket.session_id, ticket.model, ticket.need, ticket.exclude)
+            address = placer.admit(
+                ticket.session_id, ticket.model, ticket.need, ticket.exclude, ticket.host_need
+            )
             if address is None:
                 blocked.add(ticket.model)
                 continue

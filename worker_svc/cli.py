@@ -27,6 +27,13 @@ def add_parser(sub) -> None:
         default=None,
         help="host memory for the cold tiers of recall=1 sessions, e.g. 8GiB (default: no limit)",
     )
+    p.add_argument(
+        "--no-demote-idle",
+        dest="demote_idle",
+        action="store_false",
+        help="under KV-pool pressure release idle recall=1 sessions instead of demoting their hot "
+        "cache to the cold tier (the next turn then re-reads the conversation)",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="model dtype")
     p.add_argument("--policy", default="confkv", help="default policy spec for sessions that give none")
@@ -81,7 +88,7 @@ def run(args) -> int:
     config = dict(
         max_batch_size=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         default_max_new_tokens=args.max_new_tokens, default_policy=args.policy,
-        worker_id=args.worker_id or f"{args.host}:{args.port}",
+        worker_id=args.worker_id or f"{args.host}:{args.port}", demote_idle=args.demote_idle,
     )  # fmt: skip
     if args.max_context:
         config["max_context_tokens"] = args.max_context

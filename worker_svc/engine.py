@@ -84,6 +84,7 @@ class Engine:
         self.meter = ThroughputMeter()
         self.on_step = on_step
         self.last_batch_size = 0
+        self.demoted_sessions = 0  # idle sessions demoted to their cold tier for hot room
         self.draining = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -387,7 +388,7 @@ class Engine:
             ):
                 return  # FIFO: wait until running turns finish and shrink their reservations
             hot = max(turn.reserve_bytes, session.nbytes())
-            if not self.pool.reserve(sid, hot, victims, self._evict_idle):
+            if not self.pool.reserve(sid, hot, victims, self._make_room):
                 self.host_pool.shrink(sid, session.cold_nbytes())
                 return
             self.queue.popleft()
@@ -488,9 +489,35 @@ class Engine:
                    "reason": reason.value, "generated_tokens": len(turn.generated)},
         )  # fmt: skip
 
-    def _evict_idle(self, session_id: str) -> None:
+    def _evict_idle(self, session_id: str) -> int:
         log.info("idle KV released for room", extra={"session_id": session_id})
         self._release_kv(self.sessions[session_id])
+        return 0
+
+    def _make_room(self, session_id: str) -> int:
+        """Hot-pool pressure on an idle session: demote its hot cache to its cold tier (recall=1
+        and host room for the worst case: the next turn resumes without re-reading the
+        conversation, and its prompt-end probe recalls what it asks about), else release it.
+        Returns the hot bytes it still holds (the pool keeps that reservation)."""
+        session = self.sessions[session_id]
+        seq = session.seq
+        if seq is None or seq.tier is None or not self.config.demote_idle:
+            return self._evict_idle(session_id)
+        worst = session.policy.worst_case_cold_bytes(self.geometry, seq.seen_tokens)
+        if not self.host_pool.reserve(session_id, max(worst, seq.cold_nbytes())):
+            return self._evict_idle(session_id)  # no host room for it: released, as before
+        before = seq.nbytes()
+        moved = seq.demote_to_cold()
+        self.host_pool.shrink(session_id, seq.cold_nbytes())
+        if moved == 0:  # already demoted: nothing more to gain but releasing it
+            return self._evict_idle(session_id)
+        self.demoted_sessions += 1
+        log.info(
+            "idle KV demoted to the cold tier for room",
+            extra={"session_id": session_id, "moved_tokens": moved, "freed_bytes": before - seq.nbytes(),
+                   "cold_bytes": seq.cold_nbytes()},
+        )  # fmt: skip
+        return seq.nbytes()
 
     def _release_kv(self, session: Session) -> int:
         self.pool.release(session.session_id)

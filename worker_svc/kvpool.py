@@ -3,7 +3,9 @@
 The engine asks the pool, never does pool arithmetic itself. Invariant: ``sum(reserved) <=
 capacity`` at all times (``reserve`` refuses, it never overcommits). Idle owners (sessions
 between turns) keep a reservation equal to the bytes they still store; under pressure
-``reserve`` asks the ``evict_idle`` callback to free them, least recently used first.
+``reserve`` asks the ``evict_idle`` callback to free them, least recently used first (the
+callback returns the bytes the owner still holds: 0 or None when released, a residue when
+demoted).
 
 Pools are plain objects with a name so that a worker can hold more than one (a hot pool on the
 accelerator and, later, a host pool for the cold tier) with the same API.
@@ -43,11 +45,13 @@ class KVPool:
         owner: str,
         nbytes: int,
         idle: Iterable[str] = (),
-        evict_idle: Callable[[str], None] | None = None,
+        evict_idle: Callable[[str], int | None] | None = None,
     ) -> bool:
         """Set ``owner``'s reservation to ``nbytes`` if it fits, releasing idle owners (in the
-        given order, least recently used first) through ``evict_idle`` when needed. Returns False
-        (and changes nothing but the evictions it needed) when it cannot fit."""
+        given order, least recently used first) through ``evict_idle`` when needed; the callback
+        returns what the victim still holds (0: released; more: demoted, its reservation shrinks
+        to that). Returns False (and changes nothing but the evictions it needed) when it cannot
+        fit."""
         if nbytes < 0:
             raise ValueError(f"pool {self.name!r}: negative reservation {nbytes}")
         if not self.fits_alone(nbytes):
@@ -57,9 +61,8 @@ class KVPool:
                 break
             if victim == owner or victim not in self._reserved:
                 continue
-            if evict_idle is not None:
-                evict_idle(victim)
-            self._reserved.pop(victim, None)
+            left = evict_idle(victim) if evict_idle is not None else 0
+            self.shrink(victim, left or 0)
         if self.headroom(owner) < nbytes:
             return False
         self._reserved[owner] = nbytes

@@ -56,6 +56,9 @@ class EngineConfig:
     default_policy: str = "confkv"
     worker_id: str = "worker"
     host_pool_bytes: int | None = None  # cold tiers (recall=1) in host memory; None: no limit
+    # hot-pool pressure demotes an idle recall=1 session's hot cache to its cold tier (False:
+    # release it; its next turn re-reads the conversation)
+    demote_idle: bool = True
     # prompt chunks ride in the decode batch's forward (False: each chunk in its own forward first,
     # the reference path the benchmark compares time to first token against)
     packed_prefill: bool = True

@@ -56,6 +56,34 @@ def test_unknown_reported_bytes_are_not_double_booked():
     assert placer.admit("s2", "m", 700) == "a"
 
 
+def test_recall_turns_are_placed_where_their_cold_tier_fits():
+    """A recall=1 turn reserves host bytes too: a worker whose host pool is full of others' cold
+    tiers is skipped though its hot pool has room; a worker without a host limit always fits."""
+    placer = Placer()
+    roomy_hot = WorkerReport("a", "m", GEO, 1024, 1000, 0, {}, host_capacity_bytes=500)
+    placer.update(roomy_hot)
+    placer.update(WorkerReport("b", "m", GEO, 1024, 600, 0, {}, host_capacity_bytes=5000))
+    assert placer.largest_host_capacity("m") == 5000
+    assert placer.admit("s1", "m", 100, host_need=400) == "a"  # most hot headroom, host fits
+    assert placer.admit("s2", "m", 100, host_need=400) == "b"  # a's host pool is taken by s1
+    assert placer.admit("s3", "m", 100, host_need=4700) is None  # 400 + 4700 > b's 5000
+    placer.finish("s2")  # the turn ended: its host reservation goes back
+    assert placer.admit("s3", "m", 100, host_need=4700) == "b"
+    # reported cold bytes of sessions placed elsewhere count; those of our idle sessions do not
+    placer.finish("s3")
+    placer.update(WorkerReport("b", "m", GEO, 1024, 600, 0, {"s3": 0, "x": 0}, host_capacity_bytes=5000,
+                               host_used_bytes=4900, session_cold_bytes={"s3": 4700, "x": 200}))  # fmt: skip
+    assert placer.workers["b"].host_committed_bytes == 200
+    placer.update(WorkerReport("c", "m", GEO, 1024, 100, 0, {}))  # no host limit
+    assert placer.largest_host_capacity("m") is None
+    assert placer.admit("s4", "m", 50, host_need=10**9) == "c"
+    queue = AdmissionQueue(limit=2)
+    ticket = queue.push("s5", "m", 60, host_need=10**9)
+    assert queue.drain(placer) == [] and ticket.address is None  # c is full now (50 + 60 > 100)
+    placer.finish("s4")
+    assert queue.drain(placer) == [ticket] and ticket.address == "c"
+
+
 def test_mark_down_releases_and_blocks_the_worker():
     placer = Placer()
     placer.update(report("a", 1000))

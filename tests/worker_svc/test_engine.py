@@ -9,10 +9,12 @@ from confkv.attention import enable
 from confkv.batched import PackedCache, packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import forward, generate
-from tests.helpers import tiny_llama
+from tests.helpers import printable_byte_llama, tiny_llama
 from worker_svc.codec import ByteChatCodec
+from worker_svc.engine import Engine
 from worker_svc.types import (
     ChatMessage,
+    EngineConfig,
     FinishReason,
     InvalidRequest,
     PoolExhausted,
@@ -151,6 +153,67 @@ def test_idle_kv_is_released_under_pressure_and_rebuilt(make_engine):
     # rebuilt from the transcript: this turn fed the whole conversation, not just a suffix
     assert done.prompt_tokens == done.context_tokens - done.generated_tokens + 1
     assert engine.session_report("a").turns == 4
+
+
+RECALL = "confkv:n_high=40,n_low=32,p=4,s=2,recall=1,page=8"
+LONG_A = "The passkey is 4817. Remember it, then talk about the weather in Bath for a while. " * 2
+
+
+@pytest.fixture(scope="module")
+def printable():
+    return printable_byte_llama()  # replies re-encode to the tokens fed: turns feed only suffixes
+
+
+def _pressured(model, **overrides):
+    """Room for one recall session's worst case and a half: b's turn needs a's room."""
+    build = lambda **o: Engine(model, ByteChatCodec(), EngineConfig(**{"prefill_chunk": 16, **o}))  # noqa: E731
+    one = build(kv_pool_bytes=1 << 30).estimate(RECALL, [], context_tokens=200, max_new=8).worst_case_bytes
+    engine = build(kv_pool_bytes=int(one * 1.5), **overrides)
+    for sid in ("a", "b"):
+        engine.open_session(sid, RECALL, [])
+    engine.submit(TurnRequest("a", user(LONG_A), max_new_tokens=8))
+    engine.run_until_idle()
+    return engine
+
+
+def test_idle_recall_session_is_demoted_to_cold_and_resumes_without_rereading(printable):
+    engine = _pressured(printable)
+    before = engine.session_report("a")
+    assert before.kv_bytes > 0 and before.cached_tokens > 6
+    engine.submit(TurnRequest("b", user(LONG_A), max_new_tokens=8))
+    engine.run_until_idle()
+    after = engine.session_report("a")
+    seq = engine.sessions["a"].seq
+    assert engine.demoted_sessions == 1 and seq is not None
+    assert after.cached_tokens == 2 + 4  # sinks + the recent window stay hot
+    assert 0 < after.kv_bytes < before.kv_bytes and after.cold_bytes > before.cold_bytes
+    summaries = sum(cold.summary_bytes() for cold in seq.tier.cold)  # page summaries are hot bytes
+    assert after.kv_bytes == exact_bytes(seq) + summaries and after.context_tokens == before.context_tokens
+    assert engine.pool.reserved("a") == after.kv_bytes  # the pool holds only the residue
+    assert engine.host_pool.reserved("a") >= after.cold_bytes
+    assert engine.pool.reserved_bytes <= engine.config.kv_pool_bytes
+    handle = engine.submit(TurnRequest("a", user("What is the passkey?"), max_new_tokens=8))
+    engine.run_until_idle()
+    _, done = events_of(handle)
+    # resumed: only the new turn was fed (its prompt follows the context it had), no re-read
+    assert done.prompt_tokens == done.context_tokens - done.generated_tokens + 1 - before.context_tokens
+    assert engine.sessions["a"].seq is seq
+
+
+def test_idle_demotion_falls_back_to_release(printable):
+    """Without host room for the cold tier (or with demotion off) idle KV is released, as before."""
+    for overrides in ({"demote_idle": False}, {"host_pool_bytes": 400_000}):
+        engine = _pressured(printable, **overrides)
+        cold = engine.sessions["a"].seq.cold_nbytes()
+        if "host_pool_bytes" in overrides:  # room for b's turn beside idle a, not for a demoted a
+            a = engine.sessions["a"]
+            b_turn = a.policy.worst_case_cold_bytes(engine.geometry, a.seq.seen_tokens + 1)
+            engine.host_pool.capacity_bytes = engine.host_pool.reserved_bytes + b_turn + 256
+        engine.submit(TurnRequest("b", user(LONG_A), max_new_tokens=8))
+        engine.run_until_idle()
+        report = engine.session_report("a")
+        assert engine.demoted_sessions == 0, overrides
+        assert report.kv_bytes == 0 and report.cold_bytes == 0 and engine.sessions["a"].seq is None, cold
 
 
 def test_cancel_mid_stream_frees_kv_and_keeps_the_transcript(make_engine):
