@@ -40,6 +40,7 @@ class StepRecorder:
 
     def reset(self) -> None:
         self.max_batch = self.max_used = self.steps = self.over_capacity = self.max_resident = 0
+        self.max_host_used = self.over_host_capacity = 0
 
     def __call__(self, stats) -> None:
         self.steps += 1
@@ -49,6 +50,11 @@ class StepRecorder:
         # sessions holding KV on the worker (an idle one may be open with its KV released)
         resident = sum(1 for s in self.engine.sessions.values() if s.seq is not None)
         self.max_resident = max(self.max_resident, resident)
+        # host memory of recall=1 cold tiers (exact stored bytes), against the host pool
+        host = sum(s.cold_nbytes() for s in self.engine.sessions.values())
+        self.max_host_used = max(self.max_host_used, host)
+        limit = self.engine.config.host_pool_bytes
+        self.over_host_capacity += limit is not None and host > limit
         if self.inner is not None:
             self.inner(stats)
 
@@ -132,6 +138,9 @@ def run_level(
         "max_resident": recorder.max_resident, "decode_steps": recorder.steps,
         "max_used_bytes": recorder.max_used, "capacity_bytes": recorder.engine.config.kv_pool_bytes,
         "steps_over_capacity": recorder.over_capacity, "queued_notices": sum(queued),
+        "max_host_used_bytes": recorder.max_host_used,
+        "steps_over_host_capacity": recorder.over_host_capacity,
+        "demoted_sessions": recorder.engine.demoted_sessions,
         "expected_turns": n * conv.turns,
     }  # fmt: skip
     result["served_concurrently"] = (
@@ -141,16 +150,35 @@ def run_level(
     return result
 
 
-def start_stack(model: str, pool_caches: int, max_context: int, max_batch: int, timeout_s: float):
+def start_stack(
+    model: str,
+    pool_caches: int,
+    max_context: int,
+    max_batch: int,
+    timeout_s: float,
+    host_pool: int | None = None,
+):
     """Load ``model`` and start what ``confkv serve`` starts, with this pool, limit and batch cap."""
     from worker_svc.app import create_engine
 
     probe = create_engine(model, 1, max_context_tokens=max_context)  # loads the model once
     pool = pool_caches * probe.geometry.full_bytes(max_context)
-    return (*start_services(probe.model, probe.codec, model, pool, max_context, max_batch, timeout_s), pool)
+    services = start_services(
+        probe.model, probe.codec, model, pool, max_context, max_batch, timeout_s, host_pool
+    )
+    return (*services, pool)
 
 
-def start_services(model, codec, name: str, pool: int, max_context: int, max_batch: int, timeout_s: float):
+def start_services(
+    model,
+    codec,
+    name: str,
+    pool: int,
+    max_context: int,
+    max_batch: int,
+    timeout_s: float,
+    host_pool: int | None = None,
+):
     """An engine around ``model``, its gRPC worker, and a scheduler (in-memory store) in front."""
     from scheduler_svc.app import make_store, serve_scheduler
     from scheduler_svc.config import SchedulerConfig
@@ -159,7 +187,7 @@ def start_services(model, codec, name: str, pool: int, max_context: int, max_bat
     from worker_svc.types import EngineConfig
 
     config = EngineConfig(kv_pool_bytes=pool, max_context_tokens=max_context, max_batch_size=max_batch,
-                          worker_id="capacity")  # fmt: skip
+                          worker_id="capacity", host_pool_bytes=host_pool)  # fmt: skip
     engine = Engine(model, codec, config)
     worker = start_worker(engine, name, "127.0.0.1", 0)
     sched = SchedulerConfig(admission_timeout_s=timeout_s, queue_limit=256, idle_ttl_s=None)
@@ -181,19 +209,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-chars", type=int, default=1200)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--admission-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--host-pool-bytes",
+        default=None,
+        help="the worker's host pool for recall=1 cold tiers (default: no limit)",
+    )
     p.add_argument("--json", type=Path, default=Path("reports/capacity.json"))
     p.add_argument("--plot", type=Path, default=Path("reports/capacity.png"))
     args = p.parse_args(argv)
     import torch
 
+    from worker_svc.app import parse_bytes
+
+    host_pool = parse_bytes(args.host_pool_bytes) if args.host_pool_bytes is not None else None
     torch.set_num_threads(1)
     engine, worker, server, pool = start_stack(
-        args.model, args.pool_caches, args.max_context, args.max_batch, args.admission_timeout
+        args.model, args.pool_caches, args.max_context, args.max_batch, args.admission_timeout, host_pool
     )
     recorder = StepRecorder(engine)
     conv = ConversationConfig(page_chars=args.page_chars, turns=args.turns)
     levels = [int(x) for x in args.levels.split(",")]
-    report = {"model": args.model, "kv_pool_bytes": pool, "max_context": args.max_context,
+    report = {"model": args.model, "kv_pool_bytes": pool, "host_pool_bytes": host_pool,
+              "max_context": args.max_context,
               "max_batch": args.max_batch, "turns": args.turns, "page_chars": args.page_chars,
               "max_new_tokens": args.max_new_tokens, "results": {}}  # fmt: skip
     try:

@@ -3,6 +3,8 @@ the per-step recorder, and the concurrency verdict (served together vs queued, n
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,3 +57,18 @@ def test_bounded_policy_serves_more_in_the_same_pool(stack):
     row = run_level(address, recorder, SMALL, 6, CONV, max_new=3, seed=20)
     assert row["served_concurrently"] and row["max_resident"] == 6 and row["max_batch"] >= 2
     assert row["turns"] == 12 and row["tokens"] > 0 and row["ttft_ms_p95"] >= row["ttft_ms_p50"] > 0
+
+
+def test_recall_sessions_report_host_memory_within_the_host_pool(stack):
+    """recall=1: the same hot bound, plus cold tiers in host memory that the recorder measures
+    exactly per step and that never exceed the worker's host pool."""
+    address, recorder = stack
+    engine, config = recorder.engine, recorder.engine.config
+    engine.config = dataclasses.replace(config, host_pool_bytes=4 << 20)  # as --host-pool-bytes 4MiB
+    engine.host_pool.capacity_bytes = 4 << 20
+    try:
+        row = run_level(address, recorder, SMALL + ",recall=1,page=8", 3, CONV, max_new=3, seed=30)
+    finally:
+        engine.config, engine.host_pool.capacity_bytes = config, 1 << 62
+    assert row["failed"] == 0 and row["turns"] == 6
+    assert 0 < row["max_host_used_bytes"] <= 4 << 20 and row["steps_over_host_capacity"] == 0
