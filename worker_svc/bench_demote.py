@@ -108,7 +108,8 @@ def markdown(result: dict) -> str:
         "",
         f"`{result['command']}`",
         "",
-        f"Policy `{result['policy']}`, model {result['model']}, greedy, {result['max_new_tokens']} new tokens.",
+        f"Policy `{result['policy']}`, model {result['model']}, greedy, "
+        f"{result['max_new_tokens']} new tokens.",
         "",
         "| condition | correct | reply = kept | question turn fed (median tokens) | TTFT median s "
         "| idle hot MiB | idle cold MiB |",
@@ -124,8 +125,12 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker_svc.bench_demote", description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, required=True, help="chat-format JSONL with an 'answer' per item")
+    parser = argparse.ArgumentParser(
+        prog="python -m worker_svc.bench_demote", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--data", type=Path, required=True, help="chat-format JSONL with an 'answer' per item"
+    )
     parser.add_argument("--items", type=int, default=8)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--policy", default=POLICY)
@@ -148,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for item in items:
         rows.append(run_item(engine, item, args.policy, args.max_new_tokens))
-        print(json.dumps({k: rows[-1][k]["correct"] for k in CONDITIONS} | {"id": rows[-1]["id"]}), flush=True)
+        print(
+            json.dumps({k: rows[-1][k]["correct"] for k in CONDITIONS} | {"id": rows[-1]["id"]}), flush=True
+        )
     command = "python -m worker_svc.bench_demote " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         "command": command,
