@@ -155,7 +155,7 @@ class SequenceCache:
         """Make room so that the layer holds at most its budget, and at most ``w`` FP tokens
         (INT8 policies), after ``incoming`` tokens arrive: peak bytes stay within the bound."""
         self._fit(layer, incoming, self.policy.slack)
-        self.stores[layer].demote_old(incoming)
+        self.stores[layer].demote_old(incoming, self.policy.slack)
 
     def _fit(self, layer: int, incoming: int = 0, slack: int = 0) -> None:
         """Evict until ``layer`` holds at most its hot budget once ``incoming`` tokens arrive.

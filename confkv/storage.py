@@ -82,6 +82,7 @@ class LayerStore:
         self.int8 = int8
         self.window = window
         self.next_pos = 0  # position the next appended token gets
+        self._fp_oldest = 0  # a lower bound of the FP slots' positions (skips demote_old's scan)
         h, d = n_kv_heads, head_dim
 
         def meta():
@@ -136,15 +137,26 @@ class LayerStore:
         return torch.cat([self.q.view(name), self.fp.view(name)])
 
     # -- mutations -------------------------------------------------------------------------------
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Append a chunk k, v (Hkv, M, D) at the next positions; returns those positions (M,)."""
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append a chunk k, v (Hkv, M, D) at the next positions (written in place: a decode
+        step's token costs two copies and four fills, no temporary tensors)."""
         m = k.shape[1]
-        pos = torch.arange(self.next_pos, self.next_pos + m, device=k.device)
-        zeros = torch.zeros(m, dtype=torch.float32, device=k.device)
-        pin = torch.zeros(m, dtype=torch.long, device=k.device)
-        self.fp.append({"k": k, "v": v, "pos": pos, "ema": zeros, "cum": zeros, "pin": pin})
+        part = self.fp
+        if part.n == 0:
+            self._fp_oldest = self.next_pos
+        part.reserve(m)
+        n, t = part.n, part.t
+        t["k"].narrow(1, n, m).copy_(k)
+        t["v"].narrow(1, n, m).copy_(v)
+        pos = t["pos"].narrow(0, n, m)
+        if m == 1:
+            pos.fill_(self.next_pos)
+        else:
+            torch.arange(self.next_pos, self.next_pos + m, out=pos)
+        for name in ("ema", "cum", "pin"):
+            t[name].narrow(0, n, m).zero_()
+        part.n += m
         self.next_pos += m
-        return pos
 
     def add_attention(self, mass8: torch.Tensor, massf: torch.Tensor, decay: float) -> None:
         """Fold received attention mass (N8,), (Nf,) into the EMA and the cumulative sum."""
@@ -160,12 +172,20 @@ class LayerStore:
         self.q.keep(mask[:n_q])
         self.fp.keep(mask[n_q:])
 
-    def demote_old(self, incoming: int = 0) -> None:
+    def demote_old(self, incoming: int = 0, ahead: int = 0) -> None:
         """Move FP tokens to INT8 that are (or, once ``incoming`` tokens arrive, will be) older
-        than the recent window: position < next_pos + incoming - window."""
+        than the recent window: position < next_pos + incoming - window. When some are,
+        ``ahead`` more of the oldest FP tokens go too (the policy's ``slack``), so that a decode
+        batch demotes about once every ``ahead`` steps instead of every step; the FP window
+        only ever holds fewer tokens than ``window`` for it, never more."""
         if not self.int8 or self.fp.n == 0:
             return
-        old = self.fp.view("pos") < self.next_pos + incoming - self.window
+        limit = self.next_pos + incoming - self.window
+        if self._fp_oldest >= limit:  # a lower bound of the FP positions: nothing is old yet
+            return
+        cut = min(limit + max(ahead, 0), self.next_pos + incoming)
+        old = self.fp.view("pos") < cut
+        self._fp_oldest = cut  # every FP token left is at cut or later
         if not bool(old.any()):
             return
         moved = self.fp.take(old)

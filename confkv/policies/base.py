@@ -27,7 +27,9 @@ class CachePolicy:
     smaller budgets with the same total; decay: EMA decay of received attention;
     bytes: optional peak KV byte budget that overrides the token budgets (resolved per model);
     slack: when eviction has to run, evict this many extra tokens so it runs about every
-    ``slack`` steps instead of every step (a speed knob; the mean cache shrinks by ~slack/2).
+    ``slack`` steps instead of every step (a speed knob; the mean cache shrinks by ~slack/2);
+    with ``int8`` the FP window is likewise demoted ``slack`` tokens ahead, so INT8 demotion
+    runs about every ``slack`` steps too (the FP window holds up to ``slack`` fewer tokens).
 
     Recall tier (``recall=1``, storage like ``int8``, orthogonal to ranking; confkv/recall.py):
     evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped. At the

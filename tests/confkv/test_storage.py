@@ -72,6 +72,31 @@ def test_store_demotes_old_tokens_compacts_and_counts_bytes_exactly():
     assert store.q.n > 0 and store.nbytes() == store.fp.n * 2 * 2 * 8 * 4 + store.q.n * 2 * 2 * (8 + 2)
 
 
+def test_demotion_ahead_runs_every_few_steps_and_never_widens_the_window():
+    """With ``ahead`` (the policy's slack) demotion moves a batch of the oldest FP tokens about
+    every ``ahead`` steps; the FP window never holds more than ``window`` tokens, every token
+    older than the window is INT8, and the INT8 tokens equal what per-step demotion stores."""
+    g = torch.Generator().manual_seed(1)
+    chunks = [(torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)) for _ in range(60)]
+    stores = {ahead: LayerStore(2, 8, torch.float32, "cpu", int8=True, window=8) for ahead in (0, 6)}
+    moves = {ahead: 0 for ahead in stores}
+    for k, v in chunks:
+        for ahead, store in stores.items():
+            before = store.q.n
+            store.demote_old(1, ahead)
+            moves[ahead] += store.q.n != before
+            store.append(k, v)
+            assert store.fp.n <= 8
+            assert (store.fp.view("pos") >= store.next_pos - 8).all()
+            assert store.nbytes() == store.nbytes_fast()
+    assert moves[6] <= moves[0] // 5 and moves[0] >= 50
+    per_step, batched = stores[0], stores[6]
+    for name in ("k", "ks", "v", "vs"):  # an INT8 token is the same bytes whenever it was demoted
+        order_a, order_b = per_step.q.view("pos").argsort(), batched.q.view("pos").argsort()
+        a, b = per_step.q.view(name).index_select(1, order_a), batched.q.view(name).index_select(1, order_b)
+        assert torch.equal(a[:, : b.shape[1]], b[:, : a.shape[1]])
+
+
 def test_keep_preserves_the_kept_tokens_values():
     store = LayerStore(1, 4, torch.float32, "cpu", int8=False, window=1 << 30)
     keys = torch.arange(40, dtype=torch.float32).view(1, 10, 4)
