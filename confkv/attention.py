@@ -8,6 +8,7 @@ Memory during a prefill chunk of M queries is O(M * N) per head group, never O(T
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
 from transformers import AttentionInterface
 
@@ -24,8 +25,26 @@ def _offsets(lengths: list[int], device) -> torch.Tensor:
     return out
 
 
+def _needs_mass(seq: SequenceCache, layer: int) -> bool:
+    """Whether attending ``layer`` must go through the mixed-storage kernels: the policy ranks
+    by received attention, the sequence has a recall tier, or INT8 tokens are stored. Otherwise
+    (``full``, ``window``, ``sinks`` and the like, FP only) a decode query is plain SDPA."""
+    return seq.policy.needs_attention or seq.tier is not None or seq.stores[layer].q.n > 0
+
+
+def _sdpa_decode(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q (Hq, 1, D) over FP-only storage views kf, vf (Hkv, N, D), in place (no copy)."""
+    out = F.scaled_dot_product_attention(q[None], kf[None], vf[None], scale=scaling, enable_gqa=True)
+    return out[0]
+
+
 def _attend_one(seq: SequenceCache, layer: int, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """q (Hq, M, D) of one sequence -> (Hq, M, D); updates that sequence's statistics."""
+    if q.shape[1] == 1 and q.device.type == "cpu" and not _needs_mass(seq, layer):
+        store = seq.stores[layer]
+        out = _sdpa_decode(q, store.fp.view("k"), store.fp.view("v"), scaling)
+        seq.settle(layer)
+        return out
     seq.maybe_recall(layer, q, scaling)
     store = seq.stores[layer]
     k8, k8s, v8, v8s, kf, vf = store.kv_views()
@@ -59,7 +78,20 @@ def _attend_batched_decode(seqs: list[SequenceCache], layer: int, q: torch.Tenso
 
 
 def _attend_padded_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float):
-    """A decode batch in one padded call per layer on the reference path: q (B, Hq, 1, D)."""
+    """A decode batch on the CPU reference path: q (B, Hq, 1, D). Sequences whose statistics
+    need the attention mass (or that hold INT8 tokens) in one padded call per layer; FP-only
+    sequences of policies that do not rank by attention by the same SDPA call as alone."""
+    rows = [b for b, seq in enumerate(seqs) if _needs_mass(seq, layer)]
+    if len(rows) < len(seqs):
+        out = torch.empty_like(q)
+        for b, seq in enumerate(seqs):
+            if b not in rows:
+                out[b] = _attend_one(seq, layer, q[b], scaling)
+        if rows:
+            index = torch.tensor(rows, device=q.device)
+            ranked = _attend_padded_decode([seqs[b] for b in rows], layer, q[index], scaling)
+            out.index_copy_(0, index, ranked)
+        return out
     for b, seq in enumerate(seqs):
         seq.maybe_recall(layer, q[b], scaling)
     views = [s.stores[layer].kv_views() for s in seqs]

@@ -84,3 +84,45 @@ def test_fold_attention_equals_after_attention_bit_for_bit():
         for name in ("ema", "cum", "pos"):
             assert torch.equal(seq.stores[1].meta(name), other.stores[1].meta(name)), name
         assert seq.nbytes() == other.nbytes()
+
+
+def test_mixed_decode_batch_equals_each_alone_and_the_reference():
+    """A CPU decode batch mixing FP-only sequences of attention-free policies (plain SDPA over
+    the storage views) with ranked / INT8 ones (the padded call): every row equals that sequence
+    attended alone, and the SDPA rows equal the reference kernel."""
+    from confkv.attention import _attend_decode_batch, _attend_one
+    from confkv.memory import KVGeometry
+    from confkv.policies import parse_policy
+    from confkv.sequence import SequenceCache
+
+    gen = torch.Generator().manual_seed(3)
+    geo = KVGeometry(n_layers=1, n_kv_heads=2, head_dim=16, dtype_bytes=4)
+    specs = ["full", "confkv:n_high=40,n_low=32,p=4,s=2,int8=1,w=8", "window:n=24", "full"]
+
+    def build():
+        seqs = [SequenceCache(parse_policy(s), geo, torch.float32, "cpu") for s in specs]
+        for i, seq in enumerate(seqs):
+            for _ in range(10 + 7 * i):
+                seq.before_append(0, 1)
+                k, v = torch.randn(2, 1, 16, generator=gen), torch.randn(2, 1, 16, generator=gen)
+                seq.append(0, k, v)
+        return seqs
+
+    state = gen.get_state()
+    batch = build()
+    gen.set_state(state)
+    alone = build()
+    q = torch.randn(len(specs), 6, 1, 16, generator=gen)
+    out = _attend_decode_batch(batch, 0, q, 0.25)
+    for b, seq in enumerate(alone):
+        assert torch.equal(out[b], _attend_one(seq, 0, q[b], 0.25)), specs[b]
+        # the padded call sums masses in another order than the reference: equal up to rounding
+        torch.testing.assert_close(batch[b].stores[0].meta("ema"), seq.stores[0].meta("ema"))
+    for b in (0, 2, 3):  # the SDPA rows against the reference kernel
+        kf, vf = batch[b].stores[0].fp.view("k"), batch[b].stores[0].fp.view("v")
+        empty8 = torch.zeros(2, 0, 16, dtype=torch.int8), torch.zeros(2, 0, dtype=torch.float16)
+        ref, _, _ = reference.decode_attention_ref(
+            q[b, :, 0][None], empty8[0], empty8[1], empty8[0], empty8[1], kf, vf,
+            torch.tensor([0, 0]), torch.tensor([0, kf.shape[1]]), 0.25,
+        )  # fmt: skip
+        torch.testing.assert_close(out[b, :, 0], ref[0], atol=1e-5, rtol=1e-5)
