@@ -1,4 +1,12 @@
-"""``confkv``: confidence-gated budget; rank by alpha * norm(EMA attention) + (1 - alpha) * recency."""
+"""``confkv``: confidence-gated budget; rank by alpha * norm(EMA attention) + (1 - alpha) * recency.
+
+``norm`` says how the EMA is brought to [0, 1] before it is mixed with recency:
+``max`` divides by the largest EMA in the layer. Attention sinks (the first ``s`` tokens, never
+evicted) hold most of the mass, so every other token lands near 0 and recency decides nearly
+alone. ``free`` divides by the largest EMA among the tokens that may be evicted. ``rank`` uses
+each token's rank by EMA (0 = least attended, 1 = most), so the mix does not depend on how
+heavy-tailed attention is.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +18,35 @@ import torch
 from confkv.policies.base import GatedPolicy
 from confkv.policies.select import TokenStats
 
+NORMS = ("max", "free", "rank")
+
 
 @dataclass(frozen=True)
 class ConfKVPolicy(GatedPolicy):
     name: ClassVar[str] = "confkv"
     needs_attention: ClassVar[bool] = True
     alpha: float = 0.9  # tuned on Emma: mostly EMA attention, recency breaks ties
+    norm: str = "max"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"confkv: alpha must be in [0, 1], got {self.alpha}")
+        if self.norm not in NORMS:
+            raise ValueError(f"confkv: norm is one of {', '.join(NORMS)}, not {self.norm!r}")
 
     def score(self, stats: TokenStats) -> torch.Tensor:
-        ema = stats.ema / stats.ema.max().clamp_min(1e-12)
-        return self.alpha * ema + (1 - self.alpha) * stats.recency()
+        return self.alpha * self._attention(stats) + (1 - self.alpha) * stats.recency()
+
+    def _attention(self, stats: TokenStats) -> torch.Tensor:
+        ema = stats.ema
+        if self.norm == "rank":
+            n = ema.shape[0]
+            ranks = torch.empty(n, dtype=torch.float32, device=ema.device)
+            ranks[ema.argsort()] = torch.arange(n, dtype=torch.float32, device=ema.device)
+            return ranks / max(n - 1, 1)
+        if self.norm == "free":
+            free = (stats.positions >= self.s) & (stats.positions < stats.now - self.protected)
+            if bool(free.any()):
+                return ema / ema[free].max().clamp_min(1e-12)
+        return ema / ema.max().clamp_min(1e-12)

@@ -8,7 +8,7 @@ import torch
 from confkv.budgets import GatedBudget, pyramid_split
 from confkv.confidence import ConfidenceWeights, confidence
 from confkv.memory import KVGeometry
-from confkv.policies import MATCHED_RATE, POLICIES, parse_policy, select_keep
+from confkv.policies import MATCHED_RATE, POLICIES, TokenStats, parse_policy, select_keep
 from confkv.sequence import SequenceCache
 
 DEFAULT_SPECS = [
@@ -117,3 +117,36 @@ def test_matched_rate_policies_follow_identical_schedule():
     assert sum(counts["confkv"][0]) > 0
     for name in MATCHED_RATE:
         assert counts[name] == counts["confkv"], name
+
+
+def _sink_heavy_stats() -> TokenStats:
+    """12 tokens: a sink holding almost all the attention, then an old heavy hitter (position 4)
+    among lightly attended tokens; ``now`` = 12."""
+    ema = torch.full((12,), 1e-3)
+    ema[0] = 1.0  # the sink
+    ema[4] = 5e-3  # attended 5x more than its neighbours, 200x less than the sink
+    return TokenStats(torch.arange(12), ema, ema.clone(), 12)
+
+
+def test_confkv_norm_max_lets_the_sink_hide_the_heavy_hitter():
+    """norm=max (the seed's score): the sink's mass squashes every other EMA towards 0, so
+    recency outranks the heavy hitter; free and rank keep it above its newer neighbours."""
+    stats = _sink_heavy_stats()
+    old = parse_policy("confkv:n_high=12,n_low=8,p=2,s=1,norm=max").score(stats)
+    assert old[4] < old[5]  # recency wins
+    expected = 0.9 * stats.ema / stats.ema.max() + 0.1 * stats.recency()
+    assert torch.equal(old, expected)  # bit for bit the seed's formula
+    for norm in ("free", "rank"):
+        scores = parse_policy(f"confkv:n_high=12,n_low=8,p=2,s=1,norm={norm}").score(stats)
+        assert scores[4] > scores[5:10].max(), norm
+
+
+def test_confkv_rank_norm_is_the_ema_order():
+    stats = TokenStats(torch.arange(6), torch.tensor([5.0, 0.1, 3.0, 0.2, 9.0, 0.0]), torch.zeros(6), 6)
+    scores = parse_policy("confkv:n_high=6,n_low=4,p=1,s=0,alpha=1,norm=rank").score(stats)
+    assert scores.tolist() == pytest.approx([0.8, 0.2, 0.6, 0.4, 1.0, 0.0])
+
+
+def test_confkv_norm_is_validated():
+    with pytest.raises(ValueError, match="norm"):
+        parse_policy("confkv:norm=softmax")
