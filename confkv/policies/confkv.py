@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from confkv.policies.base import GatedPolicy
-from confkv.policies.select import TokenStats
+from confkv.policies.select import TokenStats, protected_mask
 
 NORMS = ("max", "free", "rank")
 
@@ -46,7 +46,7 @@ class ConfKVPolicy(GatedPolicy):
             ranks[ema.argsort()] = torch.arange(n, dtype=torch.float32, device=ema.device)
             return ranks / max(n - 1, 1)
         if self.norm == "free":
-            free = (stats.positions >= self.s) & (stats.positions < stats.now - self.protected)
+            free = ~protected_mask(stats.positions, stats.now - self.protected, self.s)
             if bool(free.any()):
                 return ema / ema[free].max().clamp_min(1e-12)
         return ema / ema.max().clamp_min(1e-12)

@@ -28,6 +28,12 @@ class TokenStats:
         return (pos - lo) / (hi - lo).clamp_min(1.0)
 
 
+def protected_mask(positions: torch.Tensor, protect_from: int, sinks: int) -> torch.Tensor:
+    """(n,) True for tokens that are never evicted: the recent window (positions >= ``protect_from``)
+    and the attention sinks (positions < ``sinks``)."""
+    return (positions >= protect_from) | (positions < sinks)
+
+
 def select_keep(
     scores: torch.Tensor, positions: torch.Tensor, keep: int, protect_from: int, sinks: int
 ) -> torch.Tensor:
@@ -39,7 +45,7 @@ def select_keep(
     n = scores.shape[0]
     if n <= keep:
         return torch.ones(n, dtype=torch.bool, device=scores.device)
-    protected = (positions >= protect_from) | (positions < sinks)
+    protected = protected_mask(positions, protect_from, sinks)
     ranked = scores.float().masked_fill(protected, float("inf"))
     k = max(keep, int(protected.sum()))
     mask = torch.zeros(n, dtype=torch.bool, device=scores.device)
