@@ -82,6 +82,9 @@ def _attend_padded_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor
     need the attention mass (or that hold INT8 tokens) in one padded call per layer; FP-only
     sequences of policies that do not rank by attention by the same SDPA call as alone."""
     rows = [b for b, seq in enumerate(seqs) if _needs_mass(seq, layer)]
+    if not rows:  # all FP-only and attention-free: each by SDPA over its storage, as alone
+        rows_q = zip(seqs, q.unbind(0), strict=True)
+        return torch.stack([_attend_one(seq, layer, qb, scaling) for seq, qb in rows_q])
     if len(rows) < len(seqs):
         out = torch.empty_like(q)
         for b, seq in enumerate(seqs):

@@ -72,11 +72,16 @@ def padded_decode_attention(
     lengths = [v[0].shape[1] + v[4].shape[1] for v in views]
     n = max(lengths)
     keys, vals = workspace().views(b, hkv, n, d, q.device)
-    for row, (k8, k8s, v8, v8s, kf, vf) in enumerate(views):
-        _fill(keys[row], k8, k8s, kf)
-        _fill(vals[row], v8, v8s, vf)
-        if lengths[row] < n:  # padding holds stale values: 0 * NaN must not leak into the output
-            vals[row, :, lengths[row] :].zero_()
+    rows = zip(keys.unbind(0), vals.unbind(0), views, lengths, strict=True)
+    for krow, vrow, (k8, k8s, v8, v8s, kf, vf), length in rows:
+        if k8.shape[1]:
+            _fill(krow, k8, k8s, kf)
+            _fill(vrow, v8, v8s, vf)
+        else:  # FP slots only (the common decode case): one copy each
+            krow.narrow(1, 0, length).copy_(kf)
+            vrow.narrow(1, 0, length).copy_(vf)
+        if length < n:  # padding holds stale values: 0 * NaN must not leak into the output
+            vrow.narrow(1, length, n - length).zero_()
     qg = q.float().reshape(b, hkv, groups, d)  # (B, Hkv, G, D)
     logits = torch.matmul(qg, keys.transpose(2, 3)).mul_(scaling)  # (B, Hkv, G, N)
     if min(lengths) < n:
@@ -86,9 +91,10 @@ def padded_decode_attention(
     out = torch.matmul(probs, vals).view(b, hq, d).to(q.dtype)
     mass = probs.sum(dim=(1, 2))  # (B, N)
     per_seq = []
-    for row, view in enumerate(views):
+    none = mass.new_empty(0)
+    for mrow, view, length in zip(mass.unbind(0), views, lengths, strict=True):
         n8 = view[0].shape[1]
-        per_seq.append((mass[row, :n8], mass[row, n8 : lengths[row]]))
+        per_seq.append((mrow[:n8], mrow[n8:length]) if n8 else (none, mrow.narrow(0, 0, length)))
     return out, per_seq
 
 

@@ -84,6 +84,12 @@ class SequenceCache:
         self.set_budget(budget)
         return self.budget
 
+    @property
+    def follows_confidence(self) -> bool:
+        """Whether the budget or the recall trigger reads the confidence (``observe_confidence``):
+        gated policies and recall tiers; a fixed budget without a tier does not."""
+        return isinstance(self.policy, GatedPolicy) or self.tier is not None
+
     # -- sizes -------------------------------------------------------------------------------------
     @property
     def seen_tokens(self) -> int:

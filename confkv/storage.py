@@ -7,7 +7,8 @@ Layout (matches ``confkv_kernels``):
 Slots are unordered: eviction fills holes with the last live slots (no dead slots, O(evicted)
 copies) and appends write in place, so a decode step never copies the whole cache. Per-token
 metadata (positions, EMA of received attention, cumulative attention, and the position until
-which a recalled token is pinned) moves with the slots.
+which a recalled token is pinned) moves with the slots. The statistics of slots past the live
+ones are kept zero, so an appended token's statistics start at zero without writing them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from confkv_kernels import quantize_int8
 
 _META = ("pos", "ema", "cum", "pin")
+_ZEROED = ("ema", "cum", "pin")  # zero in every slot past the live ones (appends skip them)
 
 
 class _Part:
@@ -64,6 +66,9 @@ class _Part:
             for name, tensor in self.t.items():
                 ax = self.axis[name]
                 tensor.index_copy_(ax, holes, tensor.index_select(ax, sources))
+        for name in _ZEROED:  # the freed slots start from zero when they are appended to again
+            if name in self.t:
+                self.t[name].narrow(self.axis[name], new_n, self.n - new_n).zero_()
         self.n = new_n
 
     def take(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -106,6 +111,7 @@ class LayerStore:
         axis = {"k": 1, "v": 1, "ks": 1, "vs": 1, "pos": 0, "ema": 0, "cum": 0, "pin": 0}
         self.fp = _Part({**fp, **meta()}, axis)
         self.q = _Part({**q, **meta()}, axis)
+        self._no_int8 = (q["k"], q["ks"], q["v"], q["vs"])  # empty views for kv_views (never written)
         itemsize = torch.empty((), dtype=dtype).element_size()
         self._fp_slot_bytes = 2 * h * d * itemsize  # K + V of one token, all KV heads
         self._q_slot_bytes = 2 * h * d + 2 * h * torch.empty((), dtype=torch.float16).element_size()
@@ -130,6 +136,8 @@ class LayerStore:
     def kv_views(self):
         """(k8, k8s, v8, v8s, kf, vf) views of the live slots, kernel layout."""
         q, fp = self.q, self.fp
+        if q.n == 0:  # the common decode case without INT8 slots: two views, not six
+            return (*self._no_int8, fp.view("k"), fp.view("v"))
         return q.view("k"), q.view("ks"), q.view("v"), q.view("vs"), fp.view("k"), fp.view("v")
 
     def meta(self, name: str) -> torch.Tensor:
@@ -139,7 +147,8 @@ class LayerStore:
     # -- mutations -------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append a chunk k, v (Hkv, M, D) at the next positions (written in place: a decode
-        step's token costs two copies and four fills, no temporary tensors)."""
+        step's token costs two copies and one fill, no temporary tensors; its EMA, cumulative
+        attention and pin are already zero, see ``_Part.keep``)."""
         m = k.shape[1]
         part = self.fp
         if part.n == 0:
@@ -153,8 +162,6 @@ class LayerStore:
             pos.fill_(self.next_pos)
         else:
             torch.arange(self.next_pos, self.next_pos + m, out=pos)
-        for name in ("ema", "cum", "pin"):
-            t[name].narrow(0, n, m).zero_()
         part.n += m
         self.next_pos += m
 

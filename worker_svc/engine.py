@@ -26,7 +26,7 @@ import torch
 
 from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
-from confkv.decode import decode_one_token, forward, prefill_chunk_size, prompt_end_forward, sample
+from confkv.decode import forward, prefill_chunk_size, prompt_end_forward, sample
 from confkv.memory import KVGeometry
 from confkv.sequence import SequenceCache
 from worker_svc import admission
@@ -289,12 +289,13 @@ class Engine:
             turn.logits = logits[row]
             observed.append(row)
         if observed:  # the budgets of the next step follow these logits' confidence
-            ConfKVCache([_seq(turns[r]) for r in observed]).observe_logits(logits[observed])
+            _observe([_seq(turns[r]) for r in observed], logits[observed])
 
     def _forward(self, turns: list[Turn]) -> None:
         tokens = torch.tensor([t.generated[-1] for t in turns], device=self.device)
         cache = ConfKVCache([_seq(t) for t in turns])
-        logits = decode_one_token(self.model, cache, tokens)  # (B, V), one forward for all
+        logits = forward(self.model, cache, tokens.view(-1, 1))[:, -1]  # (B, V), one forward for all
+        _observe(cache.seqs, logits)
         for turn, row in zip(turns, logits, strict=True):
             turn.fed.append(turn.generated[-1])
             turn.logits = row
@@ -427,7 +428,7 @@ class Engine:
         logits = feed(self.model, cache, ids)[:, -1]  # (1, V)
         turn.fed.extend(chunk)
         if not turn.pending:
-            cache.observe_logits(logits)
+            _observe(cache.seqs, logits)
             turn.logits = logits[0]
             turn.session.state = SessionState.DECODE
 
@@ -526,6 +527,15 @@ class Engine:
 
     def _report(self, session: Session) -> SessionReport:
         return session.report(self.pool.reserved(session.session_id))
+
+
+def _observe(seqs: list[SequenceCache], logits: torch.Tensor) -> None:
+    """Feed each sequence the confidence of its newest logits (B, V), which sets its next budget;
+    sequences whose budget does not follow confidence (``full``, ``h2o``, ... without a recall
+    tier) skip the softmax over the vocabulary."""
+    rows = [i for i, seq in enumerate(seqs) if seq.follows_confidence]
+    if rows:
+        ConfKVCache([seqs[i] for i in rows]).observe_logits(logits[rows])
 
 
 def _rest(request: TurnRequest) -> tuple:

@@ -107,3 +107,20 @@ def test_keep_preserves_the_kept_tokens_values():
     assert sorted(kept) == [0, 2, 5, 6, 8, 9]
     for pos, row in kept.items():
         assert row == keys[0, pos].tolist()
+
+
+def test_an_appended_token_starts_with_zero_statistics_after_evictions():
+    """Appends do not write the EMA, cumulative attention or pin: ``keep`` zeroes the slots it
+    frees, so a token appended into a slot an evicted token held starts from zero."""
+    store = LayerStore(1, 4, torch.float32, "cpu", int8=False, window=1 << 30)
+    store.append(torch.randn(1, 8, 4), torch.randn(1, 8, 4))
+    store.add_attention(torch.zeros(0), torch.rand(8) + 0.5, decay=0.5)
+    store.fp.view("pin").fill_(99)
+    store.keep(torch.tensor([False, True, False, True, True, False, True, True]))
+    for _ in range(5):  # decode appends reuse the freed slots one by one
+        store.append(torch.randn(1, 1, 4), torch.randn(1, 1, 4))
+    fresh = store.fp.view("pos") >= 8
+    assert int(fresh.sum()) == 5
+    for name in ("ema", "cum", "pin"):
+        assert torch.all(store.fp.view(name)[fresh] == 0), name
+        assert torch.all(store.fp.view(name)[~fresh] != 0), name

@@ -426,3 +426,17 @@ def test_unpacked_reference_path_gives_the_same_tokens(model, make_engine):
         engine.run_until_idle()
         results[packed] = [[e.token_id for e in events_of(h)[0]] for h in (first, second)]
     assert results[True] == results[False]
+
+
+def test_only_confidence_following_sequences_pay_for_the_confidence(make_engine):
+    """The engine feeds the confidence only to sequences whose budget or recall reads it; a
+    fixed-budget sequence without a recall tier skips the softmax over the vocabulary."""
+    engine = make_engine()
+    policies = ["full", "h2o:n=24,recent=8", "confkv:n_high=24,n_low=16,p=4,s=2", "window:n=20,recall=1"]
+    for i, policy in enumerate(policies):
+        engine.open_session(f"c{i}", policy, [])
+        engine.submit(TurnRequest(f"c{i}", user("tell me more about it"), max_new_tokens=6))
+    engine.run_until_idle()
+    follows = [engine.sessions[f"c{i}"].seq.last_confidence is not None for i in range(len(policies))]
+    assert follows == [False, False, True, True]
+    assert [engine.sessions[f"c{i}"].seq.follows_confidence for i in range(len(policies))] == follows
