@@ -52,7 +52,7 @@ def test_workspace_is_reused_across_calls():
     q = torch.randn(4, 6, 16, generator=gen)
     padded_decode_attention(q, views, 0.25)
     buffer = workspace().k.data_ptr()
-    padded_decode_attention(q, views[:3], 0.25)  # smaller batch: same buffer
+    padded_decode_attention(q[:3], views[:3], 0.25)  # smaller batch: same buffer
     assert workspace().k.data_ptr() == buffer
 
 
