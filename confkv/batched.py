@@ -52,11 +52,11 @@ def _fill(dst: torch.Tensor, x8: torch.Tensor, scale: torch.Tensor, xf: torch.Te
     """dst (Hkv, >=N8+Nf, D) <- dequantized INT8 slots then FP slots (the reference ``_join`` order)."""
     n8, nf = x8.shape[1], xf.shape[1]
     if n8:
-        part = dst[:, :n8]
+        part = dst.narrow(1, 0, n8)
         part.copy_(x8)
         part.mul_(scale.float().unsqueeze(-1))
     if nf:
-        dst[:, n8 : n8 + nf].copy_(xf)
+        dst.narrow(1, n8, nf).copy_(xf)
 
 
 def padded_decode_attention(
@@ -74,12 +74,8 @@ def padded_decode_attention(
     keys, vals = workspace().views(b, hkv, n, d, q.device)
     rows = zip(keys.unbind(0), vals.unbind(0), views, lengths, strict=True)
     for krow, vrow, (k8, k8s, v8, v8s, kf, vf), length in rows:
-        if k8.shape[1]:
-            _fill(krow, k8, k8s, kf)
-            _fill(vrow, v8, v8s, vf)
-        else:  # FP slots only (the common decode case): one copy each
-            krow.narrow(1, 0, length).copy_(kf)
-            vrow.narrow(1, 0, length).copy_(vf)
+        _fill(krow, k8, k8s, kf)
+        _fill(vrow, v8, v8s, vf)
         if length < n:  # padding holds stale values: 0 * NaN must not leak into the output
             vrow.narrow(1, length, n - length).zero_()
     qg = q.float().reshape(b, hkv, groups, d)  # (B, Hkv, G, D)
