@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
 from transformers import AttentionInterface
 
+from confkv.arena import DecodeArena
 from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
 from confkv.cache import pending_cache
 from confkv.sequence import SequenceCache
@@ -103,11 +104,33 @@ def _attend_padded_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor
     return out.unsqueeze(2)
 
 
-def _attend_decode_batch(seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float):
-    """q (B, Hq, 1, D), one token per sequence: Triton's ragged kernel, else the padded CPU call."""
+def _attend_arena(arena: DecodeArena | None, seqs: list[SequenceCache], layer: int, q, scaling: float):
+    """A decode batch whose FP windows are rows of ``arena`` (``confkv.arena``), FP only, no
+    recall tier, and one way of attending for all (every member ranks by received attention
+    with one decay, or none does): one call over the arena's rows, q (B, Hq, 1, D). None when
+    the batch is not like that (the padded workspace path serves it)."""
+    if arena is None or arena.seqs != seqs or not arena.holds(layer):
+        return None
+    if any(s.tier is not None or s.stores[layer].q.n for s in seqs):
+        return None
+    decays = {s.policy.decay if s.policy.needs_attention else None for s in seqs}
+    if len(decays) != 1:
+        return None
+    out = arena.attend(layer, q[:, :, 0], scaling, decays.pop())
+    for seq in seqs:
+        seq.settle(layer)
+    return out.unsqueeze(2)
+
+
+def _attend_decode_batch(
+    seqs: list[SequenceCache], layer: int, q: torch.Tensor, scaling: float, arena: DecodeArena | None = None
+):
+    """q (B, Hq, 1, D), one token per sequence: Triton's ragged kernel, else one call over the
+    batch's arena, else the padded CPU call."""
     if default_backend(q.device) is Backend.TRITON:
         return _attend_batched_decode(seqs, layer, q, scaling)
-    return _attend_padded_decode(seqs, layer, q, scaling)
+    out = _attend_arena(arena, seqs, layer, q, scaling)
+    return out if out is not None else _attend_padded_decode(seqs, layer, q, scaling)
 
 
 def _fallback(query, key, value, scaling):
@@ -132,7 +155,7 @@ def confkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     elif isinstance(cache, PackedCache):
         out = packed_attention(cache, layer, query, scaling, _attend_one, _attend_decode_batch)
     elif query.shape[2] == 1 and len(cache.seqs) > 1:
-        out = _attend_decode_batch(cache.seqs, layer, query, scaling)
+        out = _attend_decode_batch(cache.seqs, layer, query, scaling, cache.arena)
     else:
         out = torch.stack([_attend_one(s, layer, query[b], scaling) for b, s in enumerate(cache.seqs)])
     return out.transpose(1, 2).contiguous(), None

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from confkv.arena import DecodeArena, arena_for
 from confkv.confidence import confidence
 from confkv.memory import KVGeometry
 from confkv.policies import CachePolicy, parse_policy
@@ -67,6 +68,7 @@ class ConfKVCache(Cache):
     """
 
     packed = False  # one row holding several sequences' tokens (``confkv.batched.PackedCache``)
+    arena: DecodeArena | None = None  # the decode batch's shared FP rows (``confkv.arena``)
 
     def __init__(self, sequences: list[SequenceCache]):
         if not sequences:
@@ -105,10 +107,19 @@ class ConfKVCache(Cache):
         return key_states, value_states
 
     def store(self, key_states, value_states, layer_idx: int) -> None:
-        """Evict to make room, then append row b's new tokens to sequence b."""
+        """Evict to make room, then append row b's new tokens to sequence b (a decode batch
+        whose FP windows share a ``DecodeArena``: all rows in one indexed write)."""
         m = key_states.shape[2]
-        for b, seq in enumerate(self.seqs):
+        if layer_idx == 0:  # once per forward: the batch's arena, while it decodes together
+            self.arena = arena_for(self.seqs) if m == 1 and len(self.seqs) > 1 else None
+        for seq in self.seqs:
             seq.before_append(layer_idx, m)
+        if self.arena is not None and m == 1 and self.arena.holds(layer_idx, room=1):
+            self.arena.append(layer_idx, key_states, value_states)
+            for seq in self.seqs:
+                seq.appended(layer_idx)
+            return
+        for b, seq in enumerate(self.seqs):
             seq.append(layer_idx, key_states[b], value_states[b])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -178,6 +178,10 @@ class SequenceCache:
         self.stores[layer].append(k, v)
         self._refresh_bytes(layer)
 
+    def appended(self, layer: int) -> None:
+        """Count what a batch append (``confkv.arena.DecodeArena.append``) wrote to ``layer``."""
+        self._refresh_bytes(layer)
+
     def after_attention(self, layer: int, mass8: torch.Tensor, massf: torch.Tensor) -> None:
         """EMA update, then evict what a prompt chunk larger than the free room overflowed."""
         if self.policy.needs_attention:

@@ -27,6 +27,7 @@ class _Part:
         self.t = tensors
         self.axis = axis
         self.n = 0
+        self.home = None  # the ``confkv.arena.DecodeArena`` whose row ``t`` views, if any
 
     @property
     def capacity(self) -> int:
@@ -39,14 +40,31 @@ class _Part:
         need = self.n + extra
         if need <= self.capacity:
             return
-        new_cap = max(need, 2 * self.capacity, 16)
+        self.move_to(self._blank(max(need, 2 * self.capacity, 16)))
+
+    def _blank(self, capacity: int) -> dict[str, torch.Tensor]:
+        """Zeroed tensors of this part's layout with ``capacity`` slots."""
+        out = {}
         for name, old in self.t.items():
-            ax = self.axis[name]
             shape = list(old.shape)
-            shape[ax] = new_cap
-            grown = old.new_zeros(shape)
-            grown.narrow(ax, 0, self.n).copy_(old.narrow(ax, 0, self.n))
-            self.t[name] = grown
+            shape[self.axis[name]] = capacity
+            out[name] = old.new_zeros(shape)
+        return out
+
+    def move_to(self, tensors: dict[str, torch.Tensor], home=None) -> None:
+        """Copy the live slots into ``tensors`` (zeroed, >= n slots) and use them from now on:
+        capacity growth, joining a decode arena's row (``home``), or leaving it (``own``)."""
+        for name, new in tensors.items():
+            ax = self.axis[name]
+            new.narrow(ax, 0, self.n).copy_(self.t[name].narrow(ax, 0, self.n))
+        if self.home is not None:
+            self.home.broken = True
+        self.t, self.home = tensors, home
+
+    def own(self) -> None:
+        """Leave a decode arena: the live slots move to tensors of this part's own."""
+        if self.home is not None:
+            self.move_to(self._blank(max(self.n, 16)))
 
     def append(self, values: dict[str, torch.Tensor]) -> None:
         m = values["pos"].shape[0]
@@ -151,8 +169,6 @@ class LayerStore:
         attention and pin are already zero, see ``_Part.keep``)."""
         m = k.shape[1]
         part = self.fp
-        if part.n == 0:
-            self._fp_oldest = self.next_pos
         part.reserve(m)
         n, t = part.n, part.t
         t["k"].narrow(1, n, m).copy_(k)
@@ -162,7 +178,14 @@ class LayerStore:
             pos.fill_(self.next_pos)
         else:
             torch.arange(self.next_pos, self.next_pos + m, out=pos)
-        part.n += m
+        self.appended(m)
+
+    def appended(self, m: int) -> None:
+        """Count ``m`` tokens written past the live FP slots (k, v and positions; by ``append``,
+        or for a whole decode batch at once by ``confkv.arena.DecodeArena.append``)."""
+        if self.fp.n == 0:
+            self._fp_oldest = self.next_pos
+        self.fp.n += m
         self.next_pos += m
 
     def add_attention(self, mass8: torch.Tensor, massf: torch.Tensor, decay: float) -> None:

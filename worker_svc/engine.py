@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from confkv.arena import release_arena
 from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import forward, prefill_chunk_size, prompt_end_forward, sample
@@ -222,6 +223,7 @@ class Engine:
             self._admit()
             work = list(self.active)
         if not work:
+            release_arena()  # idle: no session keeps the last decode batch's rows
             return False
         started = time.perf_counter()
         with self.lock:

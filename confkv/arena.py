@@ -1,0 +1,152 @@
+"""A decode batch's FP slots in one tensor per layer and field (the CPU batched step).
+
+Sequences that decode together step after step (continuous batching) keep their FP window in
+the rows of one ``DecodeArena``: layer l's keys of all B members are one (B, Hkv, cap, D)
+tensor, and row b is member b's ``_Part`` storage (a view, so every per-sequence operation:
+eviction, demotion, recall, the one-sequence path, works on it unchanged). A batched step then
+appends the B new tokens with one indexed write per field (``append``) and attends over
+``k[:, :, :N]`` without gathering anything, folding the EMA of received attention in three
+ops (``attend``). Slots past a member's live ones are masked; their statistics stay zero
+because the mass a masked slot receives is exactly zero.
+
+Membership is by identity and order. ``arena_for`` rebuilds the arena when the batch changes or
+a member outgrew it (``_Part.reserve`` moved that part to tensors of its own); members that leave
+the batch move back to storage of their own, so an idle session never keeps a batch's arena
+alive. A batch whose members' lengths differ so much that padding would more than double the
+slots gets no arena (the padded workspace path of ``confkv.batched`` serves it). Bytes reported
+anywhere stay the live slots (``LayerStore.nbytes``); the arena is capacity, like ``reserve``'s.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from confkv.sequence import SequenceCache
+
+_HEADROOM = 64  # slots past the longest member at build time (full caches grow one per step)
+_NEG = float("-inf")
+
+
+class DecodeArena:
+    """The FP parts of ``seqs`` (every layer) moved into rows of batch tensors of ``cap`` slots."""
+
+    def __init__(self, seqs: list[SequenceCache], cap: int):
+        self.seqs = list(seqs)
+        self.cap = cap
+        self.broken = False  # set when a member's part leaves (growth): rebuild at the next step
+        b = len(seqs)
+        self.rows = torch.arange(b)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for layer in range(len(seqs[0].stores)):
+            parts = [s.stores[layer].fp for s in seqs]
+            first = parts[0]
+            tensors = {}
+            for name, old in first.t.items():
+                shape = list(old.shape)
+                shape[first.axis[name]] = cap
+                tensors[name] = old.new_zeros([b, *shape])
+            for row, part in enumerate(parts):
+                part.move_to({name: t[row] for name, t in tensors.items()}, home=self)
+            self.layers.append(tensors)
+
+    def serves(self, seqs: list[SequenceCache]) -> bool:
+        """The same members in the same order, none of them moved out."""
+        return (
+            not self.broken
+            and len(seqs) == len(self.seqs)
+            and all(a is b for a, b in zip(seqs, self.seqs, strict=True))
+        )
+
+    def holds(self, layer: int, room: int = 0) -> bool:
+        """Every member's ``layer`` part is a row of this arena with ``room`` free slots."""
+        limit = self.cap - room
+        return all(p.home is self and p.n <= limit for p in (s.stores[layer].fp for s in self.seqs))
+
+    def release(self) -> None:
+        """Members whose parts are still rows of this arena move them to tensors of their own."""
+        for seq in self.seqs:
+            for store in seq.stores:
+                if store.fp.home is self:
+                    store.fp.own()
+
+    # -- the batched step ------------------------------------------------------------------------------
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value (B, Hkv, 1, D): member b's token goes to its next free slot (``holds(layer,
+        1)`` must be true); each member's store counts it (``LayerStore.appended``)."""
+        stores = [s.stores[layer] for s in self.seqs]
+        t = self.layers[layer]
+        slot = torch.tensor([st.fp.n for st in stores])
+        t["k"][self.rows, :, slot] = key[:, :, 0]
+        t["v"][self.rows, :, slot] = value[:, :, 0]
+        t["pos"][self.rows, slot] = torch.tensor([st.next_pos for st in stores])
+        for st in stores:
+            st.appended(1)
+
+    def attend(self, layer: int, q: torch.Tensor, scaling: float, decay: float | None) -> torch.Tensor:
+        """q (B, Hq, D), one query per member -> (B, Hq, D). With ``decay`` (every member ranks by
+        received attention with that decay) the probabilities are formed explicitly, as the
+        reference ``decode_attention_ref`` does, and folded into the EMA and cumulative sums
+        (the elementwise ops of ``LayerStore.add_attention``); without, one masked SDPA."""
+        b, hq, d = q.shape
+        t = self.layers[layer]
+        lengths = [s.stores[layer].fp.n for s in self.seqs]
+        n = max(lengths)
+        keys, vals = t["k"].narrow(2, 0, n), t["v"].narrow(2, 0, n)  # (B, Hkv, N, D)
+        pad = None
+        if min(lengths) < n:
+            pad = torch.arange(n) >= torch.tensor(lengths).unsqueeze(1)  # (B, N)
+        if decay is None:
+            mask = None if pad is None else ~pad.view(b, 1, 1, n)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, vals, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+            return out[:, :, 0]
+        hkv = keys.shape[1]
+        qg = q.float().reshape(b, hkv, hq // hkv, d)  # (B, Hkv, G, D)
+        logits = torch.matmul(qg, keys.float().transpose(2, 3)).mul_(scaling)  # (B, Hkv, G, N)
+        if pad is not None:
+            logits.masked_fill_(pad.view(b, 1, 1, n), _NEG)
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.matmul(probs, vals.float()).view(b, hq, d).to(q.dtype)
+        mass = probs.sum(dim=(1, 2))  # (B, N), exactly zero past each member's live slots
+        t["ema"].narrow(1, 0, n).mul_(decay).add_(mass, alpha=1 - decay)
+        t["cum"].narrow(1, 0, n).add_(mass)
+        return out
+
+
+_LOCAL = threading.local()
+
+
+def _worth(seqs: list[SequenceCache]) -> int:
+    """The capacity of an arena for ``seqs``, or 0 when one would not pay: fewer than two
+    members, not on the CPU, or padding would more than double the slots."""
+    if len(seqs) < 2 or seqs[0].stores[0].fp.t["k"].device.type != "cpu":
+        return 0
+    longest = [max(st.fp.n for st in s.stores) for s in seqs]
+    cap = max(longest) + _HEADROOM
+    return cap if len(seqs) * cap <= 2 * (sum(longest) + len(seqs) * _HEADROOM) else 0
+
+
+def arena_for(seqs: list[SequenceCache]) -> DecodeArena | None:
+    """The arena of this thread's decode batch ``seqs``: the current one while it serves them,
+    else a new one (the previous one's other members move out), or None when none pays."""
+    current = getattr(_LOCAL, "arena", None)
+    if current is not None and current.serves(seqs):
+        return current
+    cap = _worth(seqs)
+    arena = DecodeArena(seqs, cap) if cap else None
+    if current is not None:  # the members kept are rows of the new arena already
+        current.release()
+    _LOCAL.arena = arena
+    return arena
+
+
+def release_arena() -> None:
+    """Every member of this thread's arena back to storage of its own (an engine going idle)."""
+    current = getattr(_LOCAL, "arena", None)
+    if current is not None:
+        current.release()
+        _LOCAL.arena = None
