@@ -5,7 +5,10 @@ own ragged kernel): every sequence's keys and values are laid out in one padded 
 The reference is ``confkv_kernels.reference.decode_attention_ref`` (sequence by sequence, same
 math); ``tests/confkv/test_batched.py`` compares the two. The workspace is reused across steps
 and layers (it only grows), so a step allocates nothing that grows with the batch except the
-attention probabilities themselves.
+attention probabilities themselves. A decode batch whose FP windows are rows of one
+``confkv.arena.DecodeArena`` (continuous batching in the worker) skips the workspace and attends
+over the rows in place; this path serves every other batch (INT8 slots, recall tiers, mixed ways
+of attending, lengths too uneven to share rows).
 """
 
 from __future__ import annotations
