@@ -39,6 +39,8 @@ class DecodeArena:
         self.broken = False  # set when a member's part leaves (growth): rebuild at the next step
         b = len(seqs)
         self.rows = torch.arange(b)
+        self.way = _way(seqs)  # how the members attend (fixed while they are members)
+        self._index: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in range(len(seqs[0].stores)):
             parts = [s.stores[layer].fp for s in seqs]
@@ -78,12 +80,31 @@ class DecodeArena:
         1)`` must be true); each member's store counts it (``LayerStore.appended``)."""
         stores = [s.stores[layer] for s in self.seqs]
         t = self.layers[layer]
-        slot = torch.tensor([st.fp.n for st in stores])
+        slot = self._tensor("slot", [st.fp.n for st in stores])
         t["k"][self.rows, :, slot] = key[:, :, 0]
         t["v"][self.rows, :, slot] = value[:, :, 0]
-        t["pos"][self.rows, slot] = torch.tensor([st.next_pos for st in stores])
+        t["pos"][self.rows, slot] = self._tensor("pos", [st.next_pos for st in stores])
         for st in stores:
             st.appended(1)
+
+    def _tensor(self, name: str, values: list[int]) -> torch.Tensor:
+        """``torch.tensor(values)``, built once for the layers of a step that share the values."""
+        key = tuple(values)
+        last = self._index.get(name)
+        if last is None or last[0] != key:
+            last = self._index[name] = (key, torch.tensor(values))
+        return last[1]
+
+    def _padding(self, lengths: list[int], n: int) -> torch.Tensor | None:
+        """(B, N) True past each member's live slots (None when all are N long), shared by
+        the layers of a step whose lengths are the same."""
+        if min(lengths) == n:
+            return None
+        key = tuple(lengths)
+        last = self._index.get("pad")
+        if last is None or last[0] != key:
+            last = self._index["pad"] = (key, torch.arange(n) >= torch.tensor(lengths).unsqueeze(1))
+        return last[1]
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float, decay: float | None) -> torch.Tensor:
         """q (B, Hq, D), one query per member -> (B, Hq, D). With ``decay`` (every member ranks by
@@ -95,9 +116,7 @@ class DecodeArena:
         lengths = [s.stores[layer].fp.n for s in self.seqs]
         n = max(lengths)
         keys, vals = t["k"].narrow(2, 0, n), t["v"].narrow(2, 0, n)  # (B, Hkv, N, D)
-        pad = None
-        if min(lengths) < n:
-            pad = torch.arange(n) >= torch.tensor(lengths).unsqueeze(1)  # (B, N)
+        pad = self._padding(lengths, n)  # (B, N) or None
         if decay is None:
             mask = None if pad is None else ~pad.view(b, 1, 1, n)
             out = F.scaled_dot_product_attention(
@@ -118,6 +137,17 @@ class DecodeArena:
 
 
 _LOCAL = threading.local()
+MIXED = "mixed"
+
+
+def _way(seqs: list[SequenceCache]) -> float | str | None:
+    """How a batch attends over the arena: the one EMA decay of members that all rank by received
+    attention, None when none does (one SDPA), ``MIXED`` when the arena cannot attend for them
+    (INT8 slots or a recall tier in some member, or both kinds together)."""
+    if any(s.policy.int8 or s.tier is not None for s in seqs):
+        return MIXED
+    ways = {s.policy.decay if s.policy.needs_attention else None for s in seqs}
+    return ways.pop() if len(ways) == 1 else MIXED
 
 
 def _worth(seqs: list[SequenceCache]) -> int:

@@ -142,7 +142,8 @@ class ConfKVCache(Cache):
             rows_by_weights.setdefault(seq.confidence_weights, []).append(row)
         values = torch.empty(len(self.seqs))
         for weights, rows in rows_by_weights.items():  # one batched softmax per distinct weighting
-            values[rows] = confidence(logits[rows], weights).cpu()
+            same = len(rows) == len(self.seqs)  # the usual case: no copy of the (B, V) logits
+            values[rows] = confidence(logits if same else logits[rows], weights).cpu()
         for seq, c in zip(self.seqs, values.tolist(), strict=True):
             seq.observe_confidence(c)
         return values

@@ -51,6 +51,8 @@ class SequenceCache:
         ]
         self.generator = torch.Generator().manual_seed(int(getattr(self.policy, "seed", seed)))
         self.tier = RecallTier(self.policy, geometry, device, self.generator) if self.policy.recall else None
+        # never evicts, demotes or recalls (``full``): make-room and settle have nothing to do
+        self._inert = not self.policy.evicts and not self.policy.int8 and self.tier is None
         self.layer_bytes = [0] * geometry.n_layers
         self._total_bytes = 0
         self.stats = SequenceStats()
@@ -141,11 +143,12 @@ class SequenceCache:
         keep = max(keep, 0)
         if not self.policy.evicts or n <= keep:
             return 0
-        positions = store.meta("pos")
-        stats = TokenStats(positions, store.meta("ema"), store.meta("cum"), store.next_pos, self.generator)
+        meta = store.meta_view  # read-only until ``keep`` below
+        positions = meta("pos")
+        stats = TokenStats(positions, meta("ema"), meta("cum"), store.next_pos, self.generator)
         scores = self.policy.score(stats)
         if self.tier is not None:
-            scores = scores.float() + _PIN_BONUS * (store.meta("pin") >= store.next_pos)
+            scores = scores.float() + _PIN_BONUS * (meta("pin") >= store.next_pos)
         mask = select_keep(scores, positions, keep, store.next_pos - self.policy.protected, self.policy.s)
         if self.tier is not None:
             dropped = self.tier.add_evicted(layer, store.take_int8(~mask))
@@ -160,6 +163,8 @@ class SequenceCache:
     def before_append(self, layer: int, incoming: int) -> None:
         """Make room so that the layer holds at most its budget, and at most ``w`` FP tokens
         (INT8 policies), after ``incoming`` tokens arrive: peak bytes stay within the bound."""
+        if self._inert:
+            return
         self._fit(layer, incoming, self.policy.slack)
         self.stores[layer].demote_old(incoming, self.policy.slack)
 
@@ -191,6 +196,8 @@ class SequenceCache:
     def settle(self, layer: int) -> None:
         """The part of ``after_attention`` after the EMA update (a batch folds its sequences'
         EMAs in one call, ``confkv.batched.fold_attention``, then settles each sequence)."""
+        if self._inert:
+            return
         store = self.stores[layer]
         self._fit(layer)
         # before_append already demoted everything the window lets go of; FP tokens can only be

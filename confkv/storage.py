@@ -159,8 +159,13 @@ class LayerStore:
         return q.view("k"), q.view("ks"), q.view("v"), q.view("vs"), fp.view("k"), fp.view("v")
 
     def meta(self, name: str) -> torch.Tensor:
-        """(n,) metadata over all live tokens: INT8 slots first, then FP slots."""
+        """(n,) metadata over all live tokens: INT8 slots first, then FP slots (a copy)."""
         return torch.cat([self.q.view(name), self.fp.view(name)])
+
+    def meta_view(self, name: str) -> torch.Tensor:
+        """``meta(name)`` without the copy when there are no INT8 slots: read it before the next
+        mutation of this store (scoring an eviction), never keep it."""
+        return self.fp.view(name) if self.q.n == 0 else self.meta(name)
 
     # -- mutations -------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -536,7 +536,9 @@ def _observe(seqs: list[SequenceCache], logits: torch.Tensor) -> None:
     sequences whose budget does not follow confidence (``full``, ``h2o``, ... without a recall
     tier) skip the softmax over the vocabulary."""
     rows = [i for i, seq in enumerate(seqs) if seq.follows_confidence]
-    if rows:
+    if len(rows) == len(seqs):
+        ConfKVCache(seqs).observe_logits(logits)  # no copy of the (B, V) logits
+    elif rows:
         ConfKVCache([seqs[i] for i in rows]).observe_logits(logits[rows])
 
 
