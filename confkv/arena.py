@@ -39,8 +39,10 @@ class DecodeArena:
         self.broken = False  # set when a member's part leaves (growth): rebuild at the next step
         b = len(seqs)
         self.rows = torch.arange(b)
-        self.way = _way(seqs)  # how the members attend (fixed while they are members)
+        # how the members attend (fixed while they are members): see ``_way``
+        self.uniform, self.decay = _way(seqs)
         self._index: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._keep: tuple[torch.Tensor, torch.Tensor] | None = None  # (SDPA mask, the pad it inverts)
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in range(len(seqs[0].stores)):
             parts = [s.stores[layer].fp for s in seqs]
@@ -95,6 +97,12 @@ class DecodeArena:
             last = self._index[name] = (key, torch.tensor(values))
         return last[1]
 
+    def _keep_mask(self, pad: torch.Tensor) -> torch.Tensor:
+        """SDPA's boolean mask (True = attend) of ``pad``, shared like ``pad`` itself."""
+        if self._keep is None or self._keep[1] is not pad:
+            self._keep = (~pad.view(pad.shape[0], 1, 1, -1), pad)
+        return self._keep[0]
+
     def _padding(self, lengths: list[int], n: int) -> torch.Tensor | None:
         """(B, N) True past each member's live slots (None when all are N long), shared by
         the layers of a step whose lengths are the same."""
@@ -118,7 +126,7 @@ class DecodeArena:
         keys, vals = t["k"].narrow(2, 0, n), t["v"].narrow(2, 0, n)  # (B, Hkv, N, D)
         pad = self._padding(lengths, n)  # (B, N) or None
         if decay is None:
-            mask = None if pad is None else ~pad.view(b, 1, 1, n)
+            mask = None if pad is None else self._keep_mask(pad)  # (B, 1, 1, N)
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, vals, attn_mask=mask, scale=scaling, enable_gqa=True
             )
@@ -137,17 +145,16 @@ class DecodeArena:
 
 
 _LOCAL = threading.local()
-MIXED = "mixed"
 
 
-def _way(seqs: list[SequenceCache]) -> float | str | None:
-    """How a batch attends over the arena: the one EMA decay of members that all rank by received
-    attention, None when none does (one SDPA), ``MIXED`` when the arena cannot attend for them
-    (INT8 slots or a recall tier in some member, or both kinds together)."""
+def _way(seqs: list[SequenceCache]) -> tuple[bool, float | None]:
+    """How a batch attends over the arena: (uniform, decay). Uniform when no member has INT8
+    slots or a recall tier and the members attend one way: all rank by received attention with
+    one EMA ``decay``, or none does (decay None: one SDPA)."""
     if any(s.policy.int8 or s.tier is not None for s in seqs):
-        return MIXED
+        return False, None
     ways = {s.policy.decay if s.policy.needs_attention else None for s in seqs}
-    return ways.pop() if len(ways) == 1 else MIXED
+    return (True, ways.pop()) if len(ways) == 1 else (False, None)
 
 
 def _worth(seqs: list[SequenceCache]) -> int:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
 from transformers import AttentionInterface
 
-from confkv.arena import MIXED, DecodeArena
+from confkv.arena import DecodeArena
 from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
 from confkv.cache import pending_cache
 from confkv.sequence import SequenceCache
@@ -109,9 +109,9 @@ def _attend_arena(arena: DecodeArena | None, seqs: list[SequenceCache], layer: i
     recall tier, and one way of attending for all (every member ranks by received attention
     with one decay, or none does): one call over the arena's rows, q (B, Hq, 1, D). None when
     the batch is not like that (the padded workspace path serves it)."""
-    if arena is None or arena.way is MIXED or arena.seqs != seqs or not arena.holds(layer):
+    if arena is None or not arena.uniform or arena.seqs != seqs or not arena.holds(layer):
         return None
-    out = arena.attend(layer, q[:, :, 0], scaling, arena.way)
+    out = arena.attend(layer, q[:, :, 0], scaling, arena.decay)
     for seq in seqs:
         seq.settle(layer)
     return out.unsqueeze(2)

@@ -298,9 +298,10 @@ class Engine:
         cache = ConfKVCache([_seq(t) for t in turns])
         logits = forward(self.model, cache, tokens.view(-1, 1))[:, -1]  # (B, V), one forward for all
         _observe(cache.seqs, logits)
-        for turn, row in zip(turns, logits, strict=True):
+        best = logits.argmax(-1).tolist()  # one pass for the batch; sampling turns do not read it
+        for turn, row, greedy in zip(turns, logits, best, strict=True):
             turn.fed.append(turn.generated[-1])
-            turn.logits = row
+            turn.logits, turn.greedy = row, greedy
 
     def _isolated(self, turn: Turn, work: Callable[[Turn], object]) -> bool:
         """Run one turn's share of the step; an exception fails that turn only."""
@@ -438,7 +439,11 @@ class Engine:
         """Sample the turn's next token and stream it; returns True when it must be fed."""
         assert turn.logits is not None  # set by the last prefill chunk or decode step
         request = turn.request
-        token = int(sample(turn.logits[None], request.temperature, turn.generator, request.top_p)[0])
+        if request.temperature <= 0 and turn.greedy is not None:
+            token = turn.greedy  # what ``sample`` returns at temperature 0, computed batched
+        else:
+            token = int(sample(turn.logits[None], request.temperature, turn.generator, request.top_p)[0])
+        turn.greedy = None
         turn.generated.append(token)
         if token in self.codec.eos_ids and not turn.request.ignore_eos:
             self._finish(turn, FinishReason.EOS)

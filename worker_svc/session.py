@@ -128,6 +128,7 @@ class Turn:
     fed: list[int] = field(default_factory=list)  # tokens fed during this turn
     generated: list[int] = field(default_factory=list)
     logits: torch.Tensor | None = None  # (V,) next-token logits once the prompt is in
+    greedy: int | None = None  # argmax of ``logits`` when a batched step computed it for all
     generator: torch.Generator | None = None
 
     @property
