@@ -41,17 +41,11 @@ class DecodeArena:
         self.rows = torch.arange(b)
         # how the members attend (fixed while they are members): see ``_way``
         self.uniform, self.decay = _way(seqs)
-        self._index: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self._keep: tuple[torch.Tensor, torch.Tensor] | None = None  # (SDPA mask, the pad it inverts)
+        self._memos: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in range(len(seqs[0].stores)):
             parts = [s.stores[layer].fp for s in seqs]
-            first = parts[0]
-            tensors = {}
-            for name, old in first.t.items():
-                shape = list(old.shape)
-                shape[first.axis[name]] = cap
-                tensors[name] = old.new_zeros([b, *shape])
+            tensors = parts[0]._blank(cap, rows=(b,))
             for row, part in enumerate(parts):
                 part.move_to({name: t[row] for name, t in tensors.items()}, home=self)
             self.layers.append(tensors)
@@ -89,30 +83,16 @@ class DecodeArena:
         for st in stores:
             st.appended(1)
 
+    def _memo(self, name: str, key: tuple[int, ...], build) -> torch.Tensor:
+        """``build()``, made once for the layers of a step that share ``key`` (the members'
+        slot counts or positions, alike in every layer unless some layer evicted)."""
+        last = self._memos.get(name)
+        if last is None or last[0] != key:
+            last = self._memos[name] = (key, build())
+        return last[1]
+
     def _tensor(self, name: str, values: list[int]) -> torch.Tensor:
-        """``torch.tensor(values)``, built once for the layers of a step that share the values."""
-        key = tuple(values)
-        last = self._index.get(name)
-        if last is None or last[0] != key:
-            last = self._index[name] = (key, torch.tensor(values))
-        return last[1]
-
-    def _keep_mask(self, pad: torch.Tensor) -> torch.Tensor:
-        """SDPA's boolean mask (True = attend) of ``pad``, shared like ``pad`` itself."""
-        if self._keep is None or self._keep[1] is not pad:
-            self._keep = (~pad.view(pad.shape[0], 1, 1, -1), pad)
-        return self._keep[0]
-
-    def _padding(self, lengths: list[int], n: int) -> torch.Tensor | None:
-        """(B, N) True past each member's live slots (None when all are N long), shared by
-        the layers of a step whose lengths are the same."""
-        if min(lengths) == n:
-            return None
-        key = tuple(lengths)
-        last = self._index.get("pad")
-        if last is None or last[0] != key:
-            last = self._index["pad"] = (key, torch.arange(n) >= torch.tensor(lengths).unsqueeze(1))
-        return last[1]
+        return self._memo(name, tuple(values), lambda: torch.tensor(values))
 
     def attend(self, layer: int, q: torch.Tensor, scaling: float, decay: float | None) -> torch.Tensor:
         """q (B, Hq, D), one query per member -> (B, Hq, D). With ``decay`` (every member ranks by
@@ -124,9 +104,12 @@ class DecodeArena:
         lengths = [s.stores[layer].fp.n for s in self.seqs]
         n = max(lengths)
         keys, vals = t["k"].narrow(2, 0, n), t["v"].narrow(2, 0, n)  # (B, Hkv, N, D)
-        pad = self._padding(lengths, n)  # (B, N) or None
+        key = tuple(lengths)
+        pad = None  # (B, N) True past each member's live slots
+        if min(lengths) < n:
+            pad = self._memo("pad", key, lambda: torch.arange(n) >= torch.tensor(lengths).unsqueeze(1))
         if decay is None:
-            mask = None if pad is None else self._keep_mask(pad)  # (B, 1, 1, N)
+            mask = None if pad is None else self._memo("keep", key, lambda: ~pad.view(b, 1, 1, n))
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, vals, attn_mask=mask, scale=scaling, enable_gqa=True
             )

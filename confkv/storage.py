@@ -42,13 +42,14 @@ class _Part:
             return
         self.move_to(self._blank(max(need, 2 * self.capacity, 16)))
 
-    def _blank(self, capacity: int) -> dict[str, torch.Tensor]:
-        """Zeroed tensors of this part's layout with ``capacity`` slots."""
+    def _blank(self, capacity: int, rows: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+        """Zeroed tensors of this part's layout with ``capacity`` slots (``rows`` leading
+        dimensions first: a decode arena holds one such part per row)."""
         out = {}
         for name, old in self.t.items():
             shape = list(old.shape)
             shape[self.axis[name]] = capacity
-            out[name] = old.new_zeros(shape)
+            out[name] = old.new_zeros([*rows, *shape])
         return out
 
     def move_to(self, tensors: dict[str, torch.Tensor], home=None) -> None:
