@@ -24,17 +24,40 @@ class GenerationResult:
 
 
 def prefill_chunk_size(cache: ConfKVCache, requested: int) -> int:
-    """Largest chunk that keeps every sequence within its budget and FP window."""
+    """Largest chunk that keeps every sequence within its budget and FP window: the budget less
+    the tokens eviction may not remove (the sinks and the protected recent window, or fewer
+    while a layer holds fewer), so a prompt's first chunk may fill a whole budget."""
     size = requested
     for seq in cache.seqs:
         pol = seq.policy
         if pol.evicts:
-            size = min(size, min(seq.layer_budgets) - pol.protected - pol.s)
+            size = min(size, _room(seq))
         if pol.int8:
             size = min(size, pol.w)
-        if pol.recall:  # page summaries may take up to SUMMARY_SHARE of the smallest budget
-            size = min(size, int(min(seq.layer_budgets) * (1 - SUMMARY_SHARE)) - pol.protected - pol.s)
     return max(1, size)
+
+
+def _room(seq) -> int:
+    """Tokens a chunk may bring to ``seq`` without any layer going over its budget. With recall,
+    page summaries may take up to SUMMARY_SHARE of a budget."""
+    pol = seq.policy
+    share = 1 - SUMMARY_SHARE if pol.recall else 1.0
+    keep = pol.protected + pol.s
+    return min(
+        int(budget * share) - min(len(store), keep)
+        for budget, store in zip(seq.layer_budgets, seq.stores, strict=True)
+    )
+
+
+def next_prefill_chunk(cache: ConfKVCache, remaining: int, requested: int) -> int:
+    """Length of the next chunk of a prompt with ``remaining`` tokens left: the largest that
+    fits (``prefill_chunk_size``), except that the final chunk holds the whole observation
+    window, so the prompt-end probe sees the full question."""
+    step = prefill_chunk_size(cache, requested)
+    if remaining <= step:
+        return remaining
+    tail = min(step, observation_window(cache))
+    return step if remaining - step >= tail else remaining - tail
 
 
 def observation_window(cache: ConfKVCache) -> int:
@@ -65,14 +88,11 @@ def prefill(model, cache: ConfKVCache, input_ids: torch.Tensor, chunk_size: int 
     """Process a prompt (B, T) chunk by chunk; returns the last position's logits (B, V)."""
     if input_ids.shape[1] == 0:
         raise ValueError("empty prompt: at least one token is needed")
-    step = prefill_chunk_size(cache, chunk_size)
-    total = input_ids.shape[1]
-    # the final chunk holds the whole observation window, so the probe sees the full question
-    last = total - step * ((total - 1) // step)  # the plain chunking's last chunk
-    tail = min(total, max(last, min(step, observation_window(cache))))
-    for start in range(0, total - tail, step):
-        forward(model, cache, input_ids[:, start : min(start + step, total - tail)])
-    logits = prompt_end_forward(model, cache, input_ids[:, total - tail :])[:, -1]
+    total, start = input_ids.shape[1], 0
+    while (size := next_prefill_chunk(cache, total - start, chunk_size)) < total - start:
+        forward(model, cache, input_ids[:, start : start + size])
+        start += size
+    logits = prompt_end_forward(model, cache, input_ids[:, start:])[:, -1]
     cache.observe_logits(logits)
     return logits
 

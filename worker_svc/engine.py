@@ -27,7 +27,7 @@ import torch
 from confkv.arena import release_arena
 from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
-from confkv.decode import forward, prefill_chunk_size, prompt_end_forward, sample
+from confkv.decode import forward, next_prefill_chunk, prompt_end_forward, sample
 from confkv.memory import KVGeometry
 from confkv.sequence import SequenceCache
 from worker_svc import admission
@@ -268,7 +268,7 @@ class Engine:
         each chunk alone, then the decode batch, so only turns that fail by themselves fail."""
         chunks = [[t.generated[-1]] for t in decoding]
         for turn in prefilling:
-            size = prefill_chunk_size(ConfKVCache([_seq(turn)]), self.config.prefill_chunk)
+            size = next_prefill_chunk(ConfKVCache([_seq(turn)]), len(turn.pending), self.config.prefill_chunk)
             chunks.append(turn.pending[:size])
         turns = [*decoding, *prefilling]
         try:
@@ -424,7 +424,7 @@ class Engine:
     def _prefill_chunk(self, turn: Turn) -> None:
         """Feed one chunk of the turn's prompt (lock not held: the turn is the engine's)."""
         cache = ConfKVCache([_seq(turn)])
-        size = prefill_chunk_size(cache, self.config.prefill_chunk)
+        size = next_prefill_chunk(cache, len(turn.pending), self.config.prefill_chunk)
         chunk, turn.pending = turn.pending[:size], turn.pending[size:]
         ids = torch.tensor([chunk], device=self.device)
         feed = forward if turn.pending else prompt_end_forward  # the turn's end recalls (recall=1)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from confkv.cache import ConfKVCache
-from confkv.decode import decode_one_token, generate, prefill, sample, teacher_forced_logits
+from confkv.decode import decode_one_token, generate, prefill, prefill_chunk_size, sample, teacher_forced_logits
+from confkv.recall import SUMMARY_SHARE
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.processor import ConfidenceProcessor
@@ -64,6 +65,27 @@ def test_bytes_are_exact_and_peak_within_budget(tiny_model, token_ids, spec):
     assert 0 < seq.stats.peak_bytes <= bound
     if policy.evicts:
         assert max(seq.tokens_per_layer()) <= max(policy.layer_budgets(policy.budget_rule().peak, 3))
+
+
+def test_a_prompts_first_chunk_may_fill_the_budget(tiny_model, token_ids):
+    """An empty cache takes a chunk as large as its budget (a prompt that fits is one forward);
+    once it holds the protected tokens, a chunk is the budget less them. Peak stays in bound."""
+    geo = KVGeometry.from_config(tiny_model.config, torch.float32)
+    hot = int(48 * (1 - SUMMARY_SHARE))
+    cases = [("confkv:n_high=48,n_low=24,p=8,s=2", 48, 38), ("h2o:n=48", 48, None),
+             ("confkv:n_high=48,n_low=24,p=8,s=2,recall=1", hot, hot - 10),
+             ("confkv:n_high=48,n_low=24,p=8,s=2,int8=1,w=16", 16, 16)]  # fmt: skip
+    for spec, first, later in cases:
+        cache = ConfKVCache.for_model(tiny_model, spec)
+        seq = cache.seqs[0]
+        assert prefill_chunk_size(cache, 256) == first, spec
+        assert prefill_chunk_size(cache, 12) == 12, spec
+        prefill(tiny_model, cache, token_ids[:, :first])
+        assert seq.tokens_per_layer() == [first] * 3 and not any(seq.stats.evictions_per_step), spec
+        later = later if later is not None else 48 - seq.policy.protected - seq.policy.s
+        assert prefill_chunk_size(cache, 256) == later, spec
+        prefill(tiny_model, cache, token_ids[:, first:200])
+        assert seq.stats.peak_bytes <= seq.policy.peak_bytes_bound(geo), spec
 
 
 def test_slack_amortizes_eviction(tiny_model, token_ids):
