@@ -6,11 +6,18 @@ import pytest
 import torch
 
 from confkv.cache import ConfKVCache
-from confkv.decode import decode_one_token, generate, prefill, prefill_chunk_size, sample, teacher_forced_logits
-from confkv.recall import SUMMARY_SHARE
+from confkv.decode import (
+    decode_one_token,
+    generate,
+    prefill,
+    prefill_chunk_size,
+    sample,
+    teacher_forced_logits,
+)
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.processor import ConfidenceProcessor
+from confkv.recall import SUMMARY_SHARE
 from tests.helpers import banded_mask, reference_logits, tiny_llama
 
 
