@@ -6,6 +6,10 @@ evicted) hold most of the mass, so every other token lands near 0 and recency de
 alone. ``free`` divides by the largest EMA among the tokens that may be evicted. ``rank`` uses
 each token's rank by EMA (0 = least attended, 1 = most), so the mix does not depend on how
 heavy-tailed attention is.
+
+``pool=K`` (odd, default 1: off) max-pools the score over each token's K nearest kept neighbours
+by position (as SnapKV pools its votes), so a heavily attended token keeps the span around it and
+eviction removes whole low-scored spans instead of scattering holes through the text.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class ConfKVPolicy(GatedPolicy):
     needs_attention: ClassVar[bool] = True
     alpha: float = 0.9  # tuned on Emma: mostly EMA attention, recency breaks ties
     norm: str = "max"
+    pool: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -34,9 +39,12 @@ class ConfKVPolicy(GatedPolicy):
             raise ValueError(f"confkv: alpha must be in [0, 1], got {self.alpha}")
         if self.norm not in NORMS:
             raise ValueError(f"confkv: norm is one of {', '.join(NORMS)}, not {self.norm!r}")
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"confkv: pool must be an odd number >= 1, got {self.pool}")
 
     def score(self, stats: TokenStats) -> torch.Tensor:
-        return self.alpha * self._attention(stats) + (1 - self.alpha) * stats.recency()
+        score = self.alpha * self._attention(stats) + (1 - self.alpha) * stats.recency()
+        return score if self.pool == 1 else _pooled(score, stats.positions, self.pool)
 
     def _attention(self, stats: TokenStats) -> torch.Tensor:
         ema = stats.ema
@@ -50,3 +58,13 @@ class ConfKVPolicy(GatedPolicy):
             if bool(free.any()):
                 return ema / ema[free].max().clamp_min(1e-12)
         return ema / ema.max().clamp_min(1e-12)
+
+
+def _pooled(score: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """(n,) each token's max score over the ``k`` kept tokens centred on it in position order."""
+    order = positions.argsort()
+    ranked = score[order].view(1, 1, -1)
+    pooled = torch.nn.functional.max_pool1d(ranked, k, stride=1, padding=k // 2).view(-1)
+    out = torch.empty_like(score)
+    out[order] = pooled
+    return out

@@ -95,6 +95,28 @@ def test_a_prompts_first_chunk_may_fill_the_budget(tiny_model, token_ids):
         assert seq.stats.peak_bytes <= seq.policy.peak_bytes_bound(geo), spec
 
 
+@pytest.mark.parametrize("total, chunks", [(100, [36, 26, 26, 12]), (90, [36, 26, 16, 12]), (30, [30])])
+def test_the_final_prompt_chunk_holds_the_observation_window(
+    tiny_model, token_ids, monkeypatch, total, chunks
+):
+    """recall=1: the first chunk fills the hot share of the budget (48 * 0.75), later ones leave
+    the protected tokens (p + s = 10), and the final chunk, which the prompt-end probe reads,
+    holds the whole observation window (obs 32, at most a quarter of the budget: 12)."""
+    import confkv.decode as decode
+
+    seen = []
+    real_forward, real_end = decode.forward, decode.prompt_end_forward
+    monkeypatch.setattr(
+        decode, "forward", lambda m, c, ids, **kw: seen.append(ids.shape[1]) or real_forward(m, c, ids, **kw)
+    )
+    monkeypatch.setattr(
+        decode, "prompt_end_forward", lambda m, c, ids: seen.append(-ids.shape[1]) or real_end(m, c, ids)
+    )
+    cache = ConfKVCache.for_model(tiny_model, "confkv:n_high=48,n_low=24,p=8,s=2,recall=1")
+    prefill(tiny_model, cache, token_ids[:, :total])
+    assert seen[: len(chunks)] == [*chunks[:-1], -chunks[-1]]  # then the probe's own forwards
+
+
 def test_slack_amortizes_eviction(tiny_model, token_ids):
     """With slack=8 eviction runs about every 8th step, and the budget still holds."""
     runs = {}

@@ -150,3 +150,20 @@ def test_confkv_rank_norm_is_the_ema_order():
 def test_confkv_norm_is_validated():
     with pytest.raises(ValueError, match="norm"):
         parse_policy("confkv:norm=softmax")
+
+
+def test_confkv_pool_keeps_the_span_around_a_heavy_hitter():
+    """pool=3: each token scores the max of itself and its kept neighbours by position, in
+    whatever order the store holds them; pool=1 is the unpooled score."""
+    order = torch.tensor([3, 0, 5, 1, 4, 2])  # store order is not position order
+    ema = torch.tensor([0.05, 0.1, 0.9, 0.2, 0.0, 0.3])[order]  # by position: 2 is the heavy hitter
+    stats = TokenStats(order, ema, torch.zeros(6), 6)
+    plain = parse_policy("confkv:n_high=6,n_low=4,p=1,s=0,alpha=1,norm=rank").score(stats)
+    pooled = parse_policy("confkv:n_high=6,n_low=4,p=1,s=0,alpha=1,norm=rank,pool=3").score(stats)
+    by_pos = dict(zip(order.tolist(), pooled.tolist(), strict=True))
+    plain_by_pos = dict(zip(order.tolist(), plain.tolist(), strict=True))
+    assert [by_pos[i] for i in range(6)] == pytest.approx([0.4, 1.0, 1.0, 1.0, 0.8, 0.8])
+    assert [plain_by_pos[i] for i in range(6)] == pytest.approx([0.2, 0.4, 1.0, 0.6, 0.0, 0.8])
+    for bad in ("pool=0", "pool=2"):
+        with pytest.raises(ValueError, match="pool"):
+            parse_policy(f"confkv:{bad}")
