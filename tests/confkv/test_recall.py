@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from confkv.attention import enable
 from confkv.cache import ConfKVCache
 from confkv.cold import ColdStore
-from confkv.decode import decode_one_token, forward, prefill, teacher_forced_logits
+from confkv.decode import forward, prefill, teacher_forced_logits
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.storage import LayerStore
@@ -225,10 +225,7 @@ def _seed_teacher_forced(model, cache: ConfKVCache, ids: torch.Tensor, prefix: i
     last = (prefix - 1) // size * size  # where the final chunk starts
     for start in range(0, last, size):
         forward(model, cache, ids[:, start : start + size])
-    outs = [forward(model, cache, ids[:, last:prefix])]
-    cache.observe_logits(outs[0][:, -1])
-    outs += [decode_one_token(model, cache, ids[:, t]).unsqueeze(1) for t in range(prefix, ids.shape[1])]
-    return torch.cat(outs, dim=1)
+    return teacher_forced_logits(model, cache, ids[:, last:], prefix=prefix - last)  # one final chunk
 
 
 @pytest.mark.parametrize("spec", sorted(SEED_FINGERPRINTS))
