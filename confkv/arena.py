@@ -41,6 +41,9 @@ class DecodeArena:
         self.rows = torch.arange(b)
         # how the members attend (fixed while they are members): see ``_way``
         self.uniform, self.decay = _way(seqs)
+        # no member evicts, demotes or recalls (``full``): a step has nothing to settle
+        self.inert = all(s._inert for s in seqs)
+        self.fresh = -1  # the layer whose batch append the next ``attend`` reads (-1: none)
         self._memos: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.layers: list[dict[str, torch.Tensor]] = []
         for layer in range(len(seqs[0].stores)):
@@ -73,15 +76,18 @@ class DecodeArena:
     # -- the batched step ------------------------------------------------------------------------------
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """key/value (B, Hkv, 1, D): member b's token goes to its next free slot (``holds(layer,
-        1)`` must be true); each member's store counts it (``LayerStore.appended``)."""
+        1)`` must be true); each member counts it (``LayerStore.appended``, then its bytes), and
+        ``fresh`` tells the layer's attention that every member is a row here."""
         stores = [s.stores[layer] for s in self.seqs]
         t = self.layers[layer]
         slot = self._tensor("slot", [st.fp.n for st in stores])
         t["k"][self.rows, :, slot] = key[:, :, 0]
         t["v"][self.rows, :, slot] = value[:, :, 0]
         t["pos"][self.rows, slot] = self._tensor("pos", [st.next_pos for st in stores])
-        for st in stores:
+        for seq, st in zip(self.seqs, stores, strict=True):
             st.appended(1)
+            seq.appended(layer)
+        self.fresh = layer
 
     def _memo(self, name: str, key: tuple[int, ...], build) -> torch.Tensor:
         """``build()``, made once for the layers of a step that share ``key`` (the members'

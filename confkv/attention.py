@@ -107,13 +107,16 @@ def _attend_padded_decode(seqs: list[SequenceCache], layer: int, q: torch.Tensor
 def _attend_arena(arena: DecodeArena | None, seqs: list[SequenceCache], layer: int, q, scaling: float):
     """A decode batch whose FP windows are rows of ``arena`` (``confkv.arena``), FP only, no
     recall tier, and one way of attending for all (every member ranks by received attention
-    with one decay, or none does): one call over the arena's rows, q (B, Hq, 1, D). None when
-    the batch is not like that (the padded workspace path serves it)."""
-    if arena is None or not arena.uniform or arena.seqs != seqs or not arena.holds(layer):
+    with one decay, or none does), and this layer's new tokens went in by one batch append
+    (``fresh``): one call over the arena's rows, q (B, Hq, 1, D). None when the batch is not
+    like that (the padded workspace path serves it)."""
+    if arena is None or not arena.uniform or arena.fresh != layer or arena.seqs != seqs:
         return None
+    arena.fresh = -1  # this layer's batch append (``ConfKVCache.store``) is read once
     out = arena.attend(layer, q[:, :, 0], scaling, arena.decay)
-    for seq in seqs:
-        seq.settle(layer)
+    if not arena.inert:
+        for seq in seqs:
+            seq.settle(layer)
     return out.unsqueeze(2)
 
 

@@ -112,13 +112,15 @@ class ConfKVCache(Cache):
         m = key_states.shape[2]
         if layer_idx == 0:  # once per forward: the batch's arena, while it decodes together
             self.arena = arena_for(self.seqs) if m == 1 and len(self.seqs) > 1 else None
-        for seq in self.seqs:
-            seq.before_append(layer_idx, m)
-        if self.arena is not None and m == 1 and self.arena.holds(layer_idx, room=1):
-            self.arena.append(layer_idx, key_states, value_states)
+        arena = self.arena if m == 1 else None
+        if arena is None or not arena.inert:  # inert members have nothing to evict or demote
             for seq in self.seqs:
-                seq.appended(layer_idx)
-            return
+                seq.before_append(layer_idx, m)
+        if arena is not None:
+            if arena.holds(layer_idx, room=1):
+                arena.append(layer_idx, key_states, value_states)
+                return
+            arena.fresh = -1
         for b, seq in enumerate(self.seqs):
             seq.append(layer_idx, key_states[b], value_states[b])
 

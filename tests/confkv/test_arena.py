@@ -53,15 +53,23 @@ def _no_arena_left():
 
 
 @pytest.mark.parametrize("policies", [[RANKED[0]] * 3, [RANKED[1]] * 4, [RANKED[2]] * 2, PLAIN, ["full"] * 3])
-def test_arena_batch_equals_each_sequence_alone(model, policies):
+def test_arena_batch_equals_each_sequence_alone(model, policies, monkeypatch):
     lengths = [17 + 5 * i for i in range(len(policies))]
     batch = [_prefilled(model, p, n) for p, n in zip(policies, lengths, strict=True)]
     alone = [_prefilled(model, p, n) for p, n in zip(policies, lengths, strict=True)]
     tokens = torch.randint(1, 90, (len(policies), 12), generator=torch.Generator().manual_seed(0))
+    calls = []
+    attend = DecodeArena.attend
+    monkeypatch.setattr(
+        DecodeArena, "attend", lambda self, layer, *a: calls.append(layer) or attend(self, layer, *a)
+    )
     got = _decode(model, batch, tokens)
+    monkeypatch.undo()
     arena = getattr(confkv.arena._LOCAL, "arena", None)
     assert isinstance(arena, DecodeArena) and arena.seqs == batch  # the batch really shared one
     assert all(store.fp.home is arena for seq in batch for store in seq.stores)
+    if arena.uniform:  # every layer of every step attended over the arena's rows, none padded
+        assert calls == list(range(len(batch[0].stores))) * tokens.shape[1]
     for b, seq in enumerate(alone):
         want = _decode(model, [seq], tokens[b : b + 1])[:, 0]
         torch.testing.assert_close(got[:, b], want, atol=2e-5, rtol=2e-5)
