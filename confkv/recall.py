@@ -80,6 +80,18 @@ def hot_mass(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: flo
     return logits.exp().sum(dim=(0, 1))
 
 
+def head_weights(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(Hq, n) attention weight one query q (Hq, 1, D) gives each hot token (``meta`` order),
+    per query head, relative to the hot set (``lse`` (Hq, 1))."""
+    k8, k8s, _, _, kf, _ = store.kv_views()
+    keys = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
+    hq, _, d = q.shape
+    hkv = keys.shape[0]
+    qg = q.float().reshape(hkv, hq // hkv, d)
+    logits = torch.bmm(qg, keys.transpose(1, 2)) * scaling - lse.reshape(hkv, -1, 1)
+    return logits.exp().reshape(hq, -1)
+
+
 def cold_positions(cold: ColdStore) -> torch.Tensor:
     """(P, S) the position each cold slot stands for (page id * S + offset; junk for free slots)."""
     offsets = torch.arange(cold.page, device=cold.page_id.device)
@@ -173,7 +185,11 @@ class RecallTier:
     def vote(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
         """Prompt-end probe: exact attention mass the last ``obs`` queries of q (Hq, M, D) give
         each hot and each cold token of ``layer`` (relative to the hot set), kept for
-        ``importance``. Reads the cold keys (not values) once per prompt end."""
+        ``importance``. Reads the cold keys (not values) once per prompt end. With ``vote=last``
+        only the last query votes, head by head: (Hq, n) weights per layer."""
+        if self.policy.vote == "last":
+            self._vote_last(layer, q[:, -1:], store, scaling)
+            return
         q_obs = q[:, -self.policy.obs :]
         lse = hot_lse(store, q_obs, scaling)  # (Hq, M)
         self.hot_mass[layer] = (store.meta("pos"), hot_mass(store, q_obs, lse, scaling))
@@ -189,7 +205,52 @@ class RecallTier:
         mass = logits.exp().sum(dim=(1, 2)).masked_fill(~cold.valid, 0.0)  # (P, S)
         self.cold_mass[layer] = (cold_positions(cold)[cold.valid], mass[cold.valid])
 
-    def importance(self, length: int) -> torch.Tensor:
+    def _vote_last(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
+        lse = hot_lse(store, q, scaling)  # (Hq, 1)
+        self.hot_mass[layer] = (store.meta("pos"), head_weights(store, q, lse, scaling))
+        cold = self.cold[layer]
+        if cold.n_tokens == 0:
+            return
+        hq, _, d = q.shape
+        hkv = cold.k8.shape[1]
+        pd = cold.payload_device
+        keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
+        qg = q.float().to(pd).reshape(hkv, hq // hkv, d)
+        logits = torch.einsum("hgd,phsd->hgps", qg, keys) * scaling - lse.to(pd).reshape(hkv, -1, 1, 1)
+        weights = logits.exp().reshape(hq, *cold.valid.shape)  # (Hq, P, S)
+        self.cold_mass[layer] = (cold_positions(cold)[cold.valid], weights[:, cold.valid])
+
+    def importance(self, length: int, evictable: tuple[int, int] = (0, 1 << 62)) -> torch.Tensor:
+        """(length,) float32 importance of every position from the probe's votes, max-pooled over
+        ``POOL`` neighbours (SnapKV: a salient token brings its neighbours). ``vote=sum``: see
+        ``_importance_sum``. ``vote=last``: each layer's and query head's weights from the last
+        prompt query over the ``evictable`` positions [lo, hi) (the sinks and the protected
+        window are kept anyway), normalized per head, then the largest over heads and layers:
+        a retrieval head that points at a fact ranks it first even when every other head
+        looks elsewhere (a sum over heads and layers buries it among the locally attended)."""
+        if self.policy.vote != "last":
+            return self._importance_sum(length)
+        device = next(iter(self.hot_mass.values()))[0].device if self.hot_mass else torch.device("cpu")
+        g = torch.zeros(length, dtype=torch.float32, device=device)
+        lo, hi = max(0, evictable[0]), min(length, evictable[1])
+        for layer, (pos, weights) in self.hot_mass.items():
+            per_head = torch.zeros(weights.shape[0], length, dtype=torch.float32, device=device)
+            parts = [(pos, weights)]
+            if layer in self.cold_mass:
+                cpos, cw = self.cold_mass[layer]
+                parts.append((cpos.to(device), cw.to(device)))
+            for p, w in parts:  # the probe's own (rolled back) positions are left out
+                inside = p < length
+                per_head.index_add_(1, p[inside], w[:, inside].float())
+            per_head[:, :lo] = 0
+            per_head[:, hi:] = 0
+            per_head /= per_head.sum(1, keepdim=True).clamp_min(1e-30)
+            g = torch.maximum(g, per_head.amax(0))
+        if POOL > 1 and length:
+            g = torch.nn.functional.max_pool1d(g.view(1, 1, -1), POOL, 1, POOL // 2).view(-1)
+        return g
+
+    def _importance_sum(self, length: int) -> torch.Tensor:
         """(length,) float32: the probe's attention to every position, each layer's share
         (hot and cold tokens, normalized to sum 1 per layer) summed over layers, then max-pooled
         over ``POOL`` neighbouring positions (SnapKV: a salient token brings its neighbours)."""

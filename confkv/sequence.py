@@ -285,7 +285,8 @@ class SequenceCache:
         if tier is None:
             return 0
         tier.mode = RecallMode.SWAP
-        g = tier.importance(self.seen_tokens)
+        protect_from = self.seen_tokens + incoming - self.policy.protected
+        g = tier.importance(self.seen_tokens, (self.policy.s, protect_from))
         until = self.seen_tokens + incoming + self.policy.hold
         n = 0
         for layer, store in enumerate(self.stores):
@@ -294,7 +295,6 @@ class SequenceCache:
             floor = tier.floor_hot_budget(layer, self.seen_tokens + incoming + 1)
             budget = min(self.hot_budget(layer), floor)
             pos = store.meta("pos")
-            protect_from = self.seen_tokens + incoming - self.policy.protected
             protected = (pos >= protect_from) | (pos < self.policy.s)
             # the tail, then the first answer token (and the eviction slack) arrive on top
             capacity = budget - int(protected.sum()) - incoming - 1 - self.policy.slack

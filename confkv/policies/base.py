@@ -67,6 +67,7 @@ class CachePolicy:
     rate: float = 0.0
     every: int = 0
     cold_bytes: int | None = None
+    vote: str = "sum"  # sum | last: how the prompt-end probe scores tokens (confkv/recall.py)
 
     def __post_init__(self) -> None:
         if self.p < 0 or self.s < 0:
@@ -107,6 +108,8 @@ class CachePolicy:
             raise ValueError(f"{self.name}: trigger=every needs every >= 1")
         if self.cold_bytes is not None and self.cold_bytes <= 0:
             raise ValueError(f"{self.name}: cold_bytes must be positive, got {self.cold_bytes}")
+        if self.vote not in ("sum", "last"):
+            raise ValueError(f"{self.name}: vote is sum or last, not {self.vote!r}")
 
     @property
     def recall_trigger(self) -> str:

@@ -19,6 +19,7 @@ from confkv.cold import ColdStore
 from confkv.decode import forward, prefill, teacher_forced_logits
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
+from confkv.recall import cold_positions
 from confkv.storage import LayerStore
 
 GEOM = KVGeometry(n_layers=1, n_kv_heads=2, head_dim=16, dtype_bytes=4)
@@ -30,6 +31,7 @@ RECALL_SPECS = [
     "sinks:s=4,n=64,int8=1,w=16,recall=1,page=8,rtok=16,cold_bytes=20000",
     "window:n=64,recall=1,page=4,trigger=every,every=3",
     "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8,obs=4",
+    "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,vote=last,pool=5,norm=rank",
 ]
 
 
@@ -178,6 +180,7 @@ def test_recall_spec_validation():
         "confkv:recall=1,trigger=every",
         "confkv:recall=1,page=0",
         "confkv:recall=1,cold_bytes=-1",
+        "confkv:recall=1,vote=max",
     )
     for bad in bad_specs:
         with pytest.raises(ValueError):
@@ -340,3 +343,65 @@ def test_prompt_end_choice_survives_the_first_confident_step(tiny_model, token_i
     for layer, store in enumerate(seq.stores):
         assert len(store) <= seq.layer_budgets[layer]
         assert pinned[layer] <= set(store.meta("pos").tolist())
+
+
+def test_vote_last_weighs_each_head_by_the_last_query(tiny_model, token_ids):
+    """``vote=last``: per query head, the last probe query's weight on every hot and cold token,
+    relative to the hot set: exp(scaling q.k - logsumexp over the hot keys)."""
+    from confkv_kernels.reference import dequantize_int8_ref
+
+    cache = ConfKVCache.for_model(tiny_model, "h2o:n=64,int8=1,w=16,recall=1,page=8,vote=last")
+    prefill(tiny_model, cache, token_ids[:, :150])
+    seq = cache.seqs[0]
+    tier, store, cold = seq.tier, seq.stores[0], seq.tier.cold[0]
+    assert cold.n_tokens > 0 and store.q.n > 0
+    hkv, d = store.fp.t["k"].shape[0], store.fp.t["k"].shape[-1]
+    hq = 2 * hkv
+    q = torch.randn(hq, 3, d, generator=torch.Generator().manual_seed(4))
+    tier._vote_last(0, q[:, -1:], store, 0.25)
+    k8, k8s, _, _, kf, _ = store.kv_views()
+    hot = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
+    rows = cold.valid.nonzero(as_tuple=True)
+    cold_keys = (cold.k8.float() * cold.ks.float().unsqueeze(-1)).permute(0, 2, 1, 3)[rows]  # (n, Hkv, D)
+    pos, w = tier.hot_mass[0]
+    cpos, cw = tier.cold_mass[0]
+    assert w.shape == (hq, len(store)) and cw.shape == (hq, cold.n_tokens)
+    for h in range(hq):
+        qh = q[h, -1].float()
+        hot_logits = hot[h // 2] @ qh * 0.25
+        lse = hot_logits.logsumexp(0)
+        torch.testing.assert_close(w[h], (hot_logits - lse).exp())
+        torch.testing.assert_close(cw[h], (cold_keys[:, h // 2] @ qh * 0.25 - lse).exp())
+    assert torch.equal(pos, store.meta("pos"))
+    assert torch.equal(cpos, cold_positions(cold)[cold.valid])
+
+
+def test_vote_last_ranks_what_one_head_points_at(tiny_model, token_ids):
+    """One head of one layer puts most of its weight on a cold fact; every other head spreads
+    over a long stretch and pours mass on the sinks and the recent window. ``vote=sum`` ranks
+    the fact below that stretch, ``vote=last`` ranks it first; the sinks and the protected
+    window get no vote (they are kept anyway)."""
+    cache = ConfKVCache.for_model(tiny_model, "h2o:n=64,recall=1,page=8,vote=last")
+    prefill(tiny_model, cache, token_ids[:, :120])
+    seq = cache.seqs[0]
+    tier = seq.tier
+    length, fact = seq.seen_tokens, 40
+    hq = 4
+    for layer in range(len(seq.stores)):
+        pos = torch.arange(length)
+        w = torch.full((hq, length), 1e-4)
+        w[:, :4] = 5.0  # sinks
+        w[:, length - 8 :] = 5.0  # the protected window
+        w[:, 60:100] = 0.3  # a long, locally attended stretch
+        if layer == 0:
+            w[1, fact] = 0.9  # one retrieval head
+        tier.hot_mass[layer] = (pos, w)
+        tier.cold_mass.pop(layer, None)
+    last = tier.importance(length, (4, length - 8))
+    assert int(last.argmax()) in range(fact - 3, fact + 4) and float(last[fact]) == float(last.max())
+    # the same votes, summed over heads and layers (the ``sum`` probe's combination)
+    for layer, (pos, w) in list(tier.hot_mass.items()):
+        tier.hot_mass[layer] = (pos, w.sum(0))
+    summed = tier._importance_sum(length)
+    assert float(summed[fact]) < float(summed[70])
+    tier.clear_probe()
