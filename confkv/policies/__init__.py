@@ -76,6 +76,8 @@ def parse_policy(spec: str) -> CachePolicy:
         if key in kwargs:
             raise ValueError(f"policy {name!r}: key {key!r} given twice")
         kwargs[key] = _convert(name, key, raw.strip(), hints[key])
+    if kwargs.get("recall"):  # keys the spec leaves out take the policy's recall defaults
+        kwargs = {**cls.RECALL_DEFAULTS, **kwargs}
     try:
         return cls(**kwargs)
     except TypeError as err:  # pragma: no cover - fields were checked above

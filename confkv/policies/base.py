@@ -34,7 +34,10 @@ class CachePolicy:
     Recall tier (``recall=1``, storage like ``int8``, orthogonal to ranking; confkv/recall.py):
     evicted tokens move to INT8 cold pages of ``page`` positions instead of being dropped. At the
     end of every prompt / new turn the last ``obs`` prompt tokens probe every hot and cold token
-    in every layer; each layer's hot set is re-selected by that importance (summed over layers):
+    in every layer (``vote=sum``: their attention mass, summed over heads, queries and layers;
+    ``vote=last``: the last query's weights head by head, the largest over heads and layers, so
+    a retrieval head that points at a fact ranks it first); each layer's hot set is re-selected
+    by that importance:
     the most important hot tokens and cold pages (at most ``rtok`` recalled tokens; 0: half the
     layer budget, at least a page) take the slots the protected tokens leave. On decode steps
     ``trigger`` decides:
@@ -48,6 +51,8 @@ class CachePolicy:
     name: ClassVar[str] = "base"
     evicts: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = False
+    # keys whose default differs when a spec says recall=1 (``parse_policy`` applies them)
+    RECALL_DEFAULTS: ClassVar[dict[str, object]] = {}
 
     p: int = 0
     s: int = 0
@@ -67,7 +72,7 @@ class CachePolicy:
     rate: float = 0.0
     every: int = 0
     cold_bytes: int | None = None
-    vote: str = "sum"  # sum | last: how the prompt-end probe scores tokens (confkv/recall.py)
+    vote: str = "last"  # last | sum: how the prompt-end probe scores tokens (confkv/recall.py)
 
     def __post_init__(self) -> None:
         if self.p < 0 or self.s < 0:
@@ -201,12 +206,20 @@ class CachePolicy:
     def replace(self, **changes) -> CachePolicy:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def defaults(cls, recall: bool = False) -> dict[str, object]:
+        """Every key's default; with ``recall=1`` the policy's ``RECALL_DEFAULTS`` replace some."""
+        base = {f.name: f.default for f in dataclasses.fields(cls)}
+        return {**base, **cls.RECALL_DEFAULTS} if recall else base
+
     def spec(self) -> str:
-        """Canonical spec string: name plus every field that differs from its default."""
+        """Canonical spec string: name plus every field that differs from its default (the
+        recall defaults when ``recall=1``), so ``parse_policy(p.spec()) == p``."""
         parts = []
+        defaults = self.defaults(self.recall)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
+            if value != defaults[f.name]:
                 parts.append(f"{f.name}={int(value) if isinstance(value, bool) else value}")
         return self.name + (":" + ",".join(parts) if parts else "")
 

@@ -32,6 +32,10 @@ class ConfKVPolicy(GatedPolicy):
     alpha: float = 0.9  # tuned on Emma: mostly EMA attention, recency breaks ties
     norm: str = "max"
     pool: int = 1
+    # With recall=1 a fact comes back through the cold tier, so the ranking can serve reading:
+    # the EMA by rank, gentler confident-step pruning and span pooling (dev perplexity and dev
+    # agent recall both better: reports/REPRODUCTION.md, "Recall defaults").
+    RECALL_DEFAULTS: ClassVar[dict[str, object]] = {"norm": "rank", "n_low": 480, "pool": 5}
 
     def __post_init__(self) -> None:
         super().__post_init__()

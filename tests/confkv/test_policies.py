@@ -21,6 +21,9 @@ DEFAULT_SPECS = [
     "attention",
     "confkv",
     "confkv:n_high=512,n_low=256,tau=0.5,p=64,int8=1,pyramid=1",
+    "confkv:int8=1,recall=1",
+    "confkv:int8=1,recall=1,norm=max,n_low=448,pool=1,vote=sum",
+    "h2o:n=64,recall=1",
 ]
 
 
@@ -28,6 +31,20 @@ DEFAULT_SPECS = [
 def test_spec_round_trips(spec):
     policy = parse_policy(spec)
     assert parse_policy(policy.spec()) == policy
+
+
+def test_recall_specs_take_the_recall_defaults_unless_given():
+    """``confkv`` with recall=1 ranks for reading (facts come back through the cold tier);
+    without recall, and for keys a spec gives, nothing changes."""
+    plain, recall = parse_policy("confkv:int8=1"), parse_policy("confkv:int8=1,recall=1")
+    assert (plain.norm, plain.n_low, plain.pool) == ("max", 448, 1)
+    assert (recall.norm, recall.n_low, recall.pool) == ("rank", 480, 5)
+    given = parse_policy("confkv:int8=1,recall=1,norm=free,pool=3")
+    assert (given.norm, given.n_low, given.pool) == ("free", 480, 3)
+    assert parse_policy("confkv:recall=1,norm=max,n_low=448,pool=1").spec() == (
+        "confkv:recall=1,n_low=448,norm=max,pool=1"
+    )
+    assert parse_policy("h2o:n=64,recall=1") == parse_policy("h2o:n=64").replace(recall=True)
 
 
 def test_every_policy_is_registered():

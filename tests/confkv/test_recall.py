@@ -28,10 +28,10 @@ RECALL_SPECS = [
     "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=8,trigger=random,rate=0.3",
     "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=16,trigger=every,every=5,pyramid=1",
     "h2o:n=64,recall=1,page=8",
-    "sinks:s=4,n=64,int8=1,w=16,recall=1,page=8,rtok=16,cold_bytes=20000",
+    "sinks:s=4,n=64,int8=1,w=16,recall=1,page=8,rtok=16,cold_bytes=20000,vote=sum",
     "window:n=64,recall=1,page=4,trigger=every,every=3",
     "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8,obs=4",
-    "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,vote=last,pool=5,norm=rank",
+    "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,vote=sum,pool=1,norm=max",
 ]
 
 
