@@ -56,10 +56,20 @@ class RecallEvent:
     tokens: int
 
 
+def _hot_keys(store: LayerStore) -> torch.Tensor:
+    """(Hkv, N, D) float32: the hot keys, INT8 slots dequantized, then the FP slots."""
+    k8, k8s, _, _, kf, _ = store.kv_views()
+    return torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)
+
+
+def _cold_keys(cold: ColdStore) -> torch.Tensor:
+    """(P, Hkv, S, D) float32: the cold keys, dequantized (free slots hold junk)."""
+    return cold.k8.float() * cold.ks.float().unsqueeze(-1)
+
+
 def hot_lse(store: LayerStore, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """q (Hq, M, D) -> (Hq, M) float32 log-sum-exp of the logits over the hot keys."""
-    k8, k8s, _, _, kf, _ = store.kv_views()
-    keys = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
+    keys = _hot_keys(store)  # (Hkv, N, D)
     hq, m, d = q.shape
     hkv = keys.shape[0]
     if keys.shape[1] == 0:
@@ -71,8 +81,7 @@ def hot_lse(store: LayerStore, q: torch.Tensor, scaling: float) -> torch.Tensor:
 def hot_mass(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
     """(n,) attention mass the queries q (Hq, M, D) give each hot token (``meta`` order), summed
     over heads and queries."""
-    k8, k8s, _, _, kf, _ = store.kv_views()
-    keys = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
+    keys = _hot_keys(store)  # (Hkv, N, D)
     hq, m, d = q.shape
     hkv = keys.shape[0]
     qg = q.float().reshape(hkv, (hq // hkv) * m, d)
@@ -83,8 +92,7 @@ def hot_mass(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: flo
 def head_weights(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
     """(Hq, n) attention weight one query q (Hq, 1, D) gives each hot token (``meta`` order),
     per query head, relative to the hot set (``lse`` (Hq, 1))."""
-    k8, k8s, _, _, kf, _ = store.kv_views()
-    keys = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
+    keys = _hot_keys(store)  # (Hkv, N, D)
     hq, _, d = q.shape
     hkv = keys.shape[0]
     qg = q.float().reshape(hkv, hq // hkv, d)
@@ -199,7 +207,7 @@ class RecallTier:
         hq, m, d = q_obs.shape
         hkv = cold.k8.shape[1]
         pd = cold.payload_device
-        keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
+        keys = _cold_keys(cold)  # (P, Hkv, S, D)
         qg = q_obs.float().to(pd).reshape(hkv, (hq // hkv) * m, d)
         logits = torch.einsum("hqd,phsd->phqs", qg, keys) * scaling - lse.to(pd).reshape(1, hkv, -1, 1)
         mass = logits.exp().sum(dim=(1, 2)).masked_fill(~cold.valid, 0.0)  # (P, S)
@@ -214,7 +222,7 @@ class RecallTier:
         hq, _, d = q.shape
         hkv = cold.k8.shape[1]
         pd = cold.payload_device
-        keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
+        keys = _cold_keys(cold)  # (P, Hkv, S, D)
         qg = q.float().to(pd).reshape(hkv, hq // hkv, d)
         logits = torch.einsum("hgd,phsd->hgps", qg, keys) * scaling - lse.to(pd).reshape(hkv, -1, 1, 1)
         weights = logits.exp().reshape(hq, *cold.valid.shape)  # (Hq, P, S)
