@@ -100,6 +100,17 @@ def head_weights(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling:
     return logits.exp().reshape(hq, -1)
 
 
+def cold_weights(cold: ColdStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(Hq, M, P, S) attention weight each query of q (Hq, M, D) gives each cold slot, relative
+    to the hot set (``lse`` (Hq, M)); free slots hold junk (read through ``cold.valid``)."""
+    hq, m, d = q.shape
+    hkv = cold.k8.shape[1]
+    pd = cold.payload_device
+    qg = q.float().to(pd).reshape(hkv, (hq // hkv) * m, d)
+    logits = torch.einsum("hqd,phsd->hqps", qg, _cold_keys(cold)) * scaling
+    return (logits - lse.to(pd).reshape(hkv, -1, 1, 1)).exp().reshape(hq, m, *cold.valid.shape)
+
+
 def cold_positions(cold: ColdStore) -> torch.Tensor:
     """(P, S) the position each cold slot stands for (page id * S + offset; junk for free slots)."""
     offsets = torch.arange(cold.page, device=cold.page_id.device)
@@ -202,31 +213,17 @@ class RecallTier:
         lse = hot_lse(store, q_obs, scaling)  # (Hq, M)
         self.hot_mass[layer] = (store.meta("pos"), hot_mass(store, q_obs, lse, scaling))
         cold = self.cold[layer]
-        if cold.n_tokens == 0:
-            return
-        hq, m, d = q_obs.shape
-        hkv = cold.k8.shape[1]
-        pd = cold.payload_device
-        keys = _cold_keys(cold)  # (P, Hkv, S, D)
-        qg = q_obs.float().to(pd).reshape(hkv, (hq // hkv) * m, d)
-        logits = torch.einsum("hqd,phsd->phqs", qg, keys) * scaling - lse.to(pd).reshape(1, hkv, -1, 1)
-        mass = logits.exp().sum(dim=(1, 2)).masked_fill(~cold.valid, 0.0)  # (P, S)
-        self.cold_mass[layer] = (cold_positions(cold)[cold.valid], mass[cold.valid])
+        if cold.n_tokens:
+            mass = cold_weights(cold, q_obs, lse, scaling).sum(dim=(0, 1))  # (P, S)
+            self.cold_mass[layer] = (cold_positions(cold)[cold.valid], mass[cold.valid])
 
     def _vote_last(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
         lse = hot_lse(store, q, scaling)  # (Hq, 1)
         self.hot_mass[layer] = (store.meta("pos"), head_weights(store, q, lse, scaling))
         cold = self.cold[layer]
-        if cold.n_tokens == 0:
-            return
-        hq, _, d = q.shape
-        hkv = cold.k8.shape[1]
-        pd = cold.payload_device
-        keys = _cold_keys(cold)  # (P, Hkv, S, D)
-        qg = q.float().to(pd).reshape(hkv, hq // hkv, d)
-        logits = torch.einsum("hgd,phsd->hgps", qg, keys) * scaling - lse.to(pd).reshape(hkv, -1, 1, 1)
-        weights = logits.exp().reshape(hq, *cold.valid.shape)  # (Hq, P, S)
-        self.cold_mass[layer] = (cold_positions(cold)[cold.valid], weights[:, cold.valid])
+        if cold.n_tokens:
+            weights = cold_weights(cold, q, lse, scaling)[:, 0]  # (Hq, P, S)
+            self.cold_mass[layer] = (cold_positions(cold)[cold.valid], weights[:, cold.valid])
 
     def importance(self, length: int, evictable: tuple[int, int] = (0, 1 << 62)) -> torch.Tensor:
         """(length,) float32 importance of every position from the probe's votes, max-pooled over
