@@ -62,11 +62,6 @@ def _hot_keys(store: LayerStore) -> torch.Tensor:
     return torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)
 
 
-def _cold_keys(cold: ColdStore) -> torch.Tensor:
-    """(P, Hkv, S, D) float32: the cold keys, dequantized (free slots hold junk)."""
-    return cold.k8.float() * cold.ks.float().unsqueeze(-1)
-
-
 def hot_lse(store: LayerStore, q: torch.Tensor, scaling: float) -> torch.Tensor:
     """q (Hq, M, D) -> (Hq, M) float32 log-sum-exp of the logits over the hot keys."""
     keys = _hot_keys(store)  # (Hkv, N, D)
@@ -78,26 +73,15 @@ def hot_lse(store: LayerStore, q: torch.Tensor, scaling: float) -> torch.Tensor:
     return (torch.bmm(qg, keys.transpose(1, 2)) * scaling).logsumexp(-1).reshape(hq, m)
 
 
-def hot_mass(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(n,) attention mass the queries q (Hq, M, D) give each hot token (``meta`` order), summed
-    over heads and queries."""
+def hot_weights(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(Hq, M, n) attention weight each query of q (Hq, M, D) gives each hot token (``meta``
+    order), relative to the hot set (``lse`` (Hq, M))."""
     keys = _hot_keys(store)  # (Hkv, N, D)
     hq, m, d = q.shape
     hkv = keys.shape[0]
     qg = q.float().reshape(hkv, (hq // hkv) * m, d)
     logits = torch.bmm(qg, keys.transpose(1, 2)) * scaling - lse.reshape(hkv, -1, 1)
-    return logits.exp().sum(dim=(0, 1))
-
-
-def head_weights(store: LayerStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(Hq, n) attention weight one query q (Hq, 1, D) gives each hot token (``meta`` order),
-    per query head, relative to the hot set (``lse`` (Hq, 1))."""
-    keys = _hot_keys(store)  # (Hkv, N, D)
-    hq, _, d = q.shape
-    hkv = keys.shape[0]
-    qg = q.float().reshape(hkv, hq // hkv, d)
-    logits = torch.bmm(qg, keys.transpose(1, 2)) * scaling - lse.reshape(hkv, -1, 1)
-    return logits.exp().reshape(hq, -1)
+    return logits.exp().reshape(hq, m, -1)
 
 
 def cold_weights(cold: ColdStore, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -107,7 +91,8 @@ def cold_weights(cold: ColdStore, q: torch.Tensor, lse: torch.Tensor, scaling: f
     hkv = cold.k8.shape[1]
     pd = cold.payload_device
     qg = q.float().to(pd).reshape(hkv, (hq // hkv) * m, d)
-    logits = torch.einsum("hqd,phsd->hqps", qg, _cold_keys(cold)) * scaling
+    keys = cold.k8.float() * cold.ks.float().unsqueeze(-1)  # (P, Hkv, S, D)
+    logits = torch.einsum("hqd,phsd->hqps", qg, keys) * scaling
     return (logits - lse.to(pd).reshape(hkv, -1, 1, 1)).exp().reshape(hq, m, *cold.valid.shape)
 
 
@@ -202,70 +187,48 @@ class RecallTier:
         return cold.drop_to(self.max_pages[layer], self.max_cold_tokens)
 
     def vote(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
-        """Prompt-end probe: exact attention mass the last ``obs`` queries of q (Hq, M, D) give
+        """Prompt-end probe: the exact attention weights the probe's queries q (Hq, M, D) give
         each hot and each cold token of ``layer`` (relative to the hot set), kept for
-        ``importance``. Reads the cold keys (not values) once per prompt end. With ``vote=last``
-        only the last query votes, head by head: (Hq, n) weights per layer."""
-        if self.policy.vote == "last":
-            self._vote_last(layer, q[:, -1:], store, scaling)
-            return
-        q_obs = q[:, -self.policy.obs :]
+        ``importance``: with ``vote=sum`` the last ``obs`` queries' mass summed over heads and
+        queries, (n,); with ``vote=last`` the last query's weights head by head, (Hq, n). Reads
+        the cold keys (not values) once per prompt end."""
+        last = self.policy.vote == "last"
+        q_obs = q[:, -1:] if last else q[:, -self.policy.obs :]
         lse = hot_lse(store, q_obs, scaling)  # (Hq, M)
-        self.hot_mass[layer] = (store.meta("pos"), hot_mass(store, q_obs, lse, scaling))
+        hot = hot_weights(store, q_obs, lse, scaling)  # (Hq, M, n)
+        self.hot_mass[layer] = (store.meta("pos"), hot[:, 0] if last else hot.sum(dim=(0, 1)))
         cold = self.cold[layer]
         if cold.n_tokens:
-            mass = cold_weights(cold, q_obs, lse, scaling).sum(dim=(0, 1))  # (P, S)
-            self.cold_mass[layer] = (cold_positions(cold)[cold.valid], mass[cold.valid])
-
-    def _vote_last(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
-        lse = hot_lse(store, q, scaling)  # (Hq, 1)
-        self.hot_mass[layer] = (store.meta("pos"), head_weights(store, q, lse, scaling))
-        cold = self.cold[layer]
-        if cold.n_tokens:
-            weights = cold_weights(cold, q, lse, scaling)[:, 0]  # (Hq, P, S)
-            self.cold_mass[layer] = (cold_positions(cold)[cold.valid], weights[:, cold.valid])
+            w = cold_weights(cold, q_obs, lse, scaling)[:, :, cold.valid]  # (Hq, M, live slots)
+            self.cold_mass[layer] = (cold_positions(cold)[cold.valid], w[:, 0] if last else w.sum(dim=(0, 1)))
 
     def importance(self, length: int, evictable: tuple[int, int] = (0, 1 << 62)) -> torch.Tensor:
-        """(length,) float32 importance of every position from the probe's votes, max-pooled over
-        ``POOL`` neighbours (SnapKV: a salient token brings its neighbours). ``vote=sum``: see
-        ``_importance_sum``. ``vote=last``: each layer's and query head's weights from the last
-        prompt query over the ``evictable`` positions [lo, hi) (the sinks and the protected
-        window are kept anyway), normalized per head, then the largest over heads and layers:
-        a retrieval head that points at a fact ranks it first even when every other head
-        looks elsewhere (a sum over heads and layers buries it among the locally attended)."""
-        if self.policy.vote != "last":
-            return self._importance_sum(length)
+        """(length,) float32 importance of every position from the probe's votes (hot and cold
+        tokens), max-pooled over ``POOL`` neighbours (SnapKV: a salient token brings its
+        neighbours). ``vote=sum``: each layer's share (normalized to sum 1 per layer) summed
+        over layers. ``vote=last``: each layer's and query head's weights over the
+        ``evictable`` positions [lo, hi) (the sinks and the protected window are kept anyway),
+        normalized per head, then the largest over heads and layers: a retrieval head that
+        points at a fact ranks it first even when every other head looks elsewhere (a sum over
+        heads and layers buries it among the locally attended)."""
         device = next(iter(self.hot_mass.values()))[0].device if self.hot_mass else torch.device("cpu")
         g = torch.zeros(length, dtype=torch.float32, device=device)
         lo, hi = max(0, evictable[0]), min(length, evictable[1])
-        for layer, (pos, weights) in self.hot_mass.items():
-            per_head = torch.zeros(weights.shape[0], length, dtype=torch.float32, device=device)
-            parts = [(pos, weights)]
-            if layer in self.cold_mass:
-                cpos, cw = self.cold_mass[layer]
-                parts.append((cpos.to(device), cw.to(device)))
-            for p, w in parts:  # the probe's own (rolled back) positions are left out
-                inside = p < length
-                per_head.index_add_(1, p[inside], w[:, inside].float())
-            per_head[:, :lo] = 0
-            per_head[:, hi:] = 0
-            per_head /= per_head.sum(1, keepdim=True).clamp_min(1e-30)
-            g = torch.maximum(g, per_head.amax(0))
-        if POOL > 1 and length:
-            g = torch.nn.functional.max_pool1d(g.view(1, 1, -1), POOL, 1, POOL // 2).view(-1)
-        return g
-
-    def _importance_sum(self, length: int) -> torch.Tensor:
-        """(length,) float32: the probe's attention to every position, each layer's share
-        (hot and cold tokens, normalized to sum 1 per layer) summed over layers, then max-pooled
-        over ``POOL`` neighbouring positions (SnapKV: a salient token brings its neighbours)."""
-        device = next(iter(self.hot_mass.values()))[0].device if self.hot_mass else torch.device("cpu")
-        g = torch.zeros(length, dtype=torch.float32, device=device)
         for layer, (pos, mass) in self.hot_mass.items():
             parts = [(pos, mass)]
             if layer in self.cold_mass:
                 cpos, cmass = self.cold_mass[layer]
                 parts.append((cpos.to(device), cmass.to(device)))
+            if self.policy.vote == "last":
+                per_head = torch.zeros(mass.shape[0], length, dtype=torch.float32, device=device)
+                for p, w in parts:  # the probe's own (rolled back) positions are left out
+                    inside = p < length
+                    per_head.index_add_(1, p[inside], w[:, inside].float())
+                per_head[:, :lo] = 0
+                per_head[:, hi:] = 0
+                per_head /= per_head.sum(1, keepdim=True).clamp_min(1e-30)
+                g = torch.maximum(g, per_head.amax(0))
+                continue
             total = sum(float(m.sum()) for _, m in parts)
             for p, m in parts:  # the probe's own (rolled back) positions are left out
                 inside = p < length

@@ -358,7 +358,7 @@ def test_vote_last_weighs_each_head_by_the_last_query(tiny_model, token_ids):
     hkv, d = store.fp.t["k"].shape[0], store.fp.t["k"].shape[-1]
     hq = 2 * hkv
     q = torch.randn(hq, 3, d, generator=torch.Generator().manual_seed(4))
-    tier._vote_last(0, q[:, -1:], store, 0.25)
+    tier.vote(0, q, store, 0.25)  # vote=last: only the last of the 3 queries votes
     k8, k8s, _, _, kf, _ = store.kv_views()
     hot = torch.cat([dequantize_int8_ref(k8, k8s, torch.float32), kf.float()], dim=1)  # (Hkv, N, D)
     rows = cold.valid.nonzero(as_tuple=True)
@@ -402,6 +402,7 @@ def test_vote_last_ranks_what_one_head_points_at(tiny_model, token_ids):
     # the same votes, summed over heads and layers (the ``sum`` probe's combination)
     for layer, (pos, w) in list(tier.hot_mass.items()):
         tier.hot_mass[layer] = (pos, w.sum(0))
-    summed = tier._importance_sum(length)
+    tier.policy = tier.policy.replace(vote="sum")
+    summed = tier.importance(length, (4, length - 8))
     assert float(summed[fact]) < float(summed[70])
     tier.clear_probe()
