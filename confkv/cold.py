@@ -3,17 +3,22 @@
 Pages are aligned to positions: page ``p`` holds positions ``p*S .. p*S+S-1`` and a token sits
 at offset ``pos % S``, so a recalled page brings back a contiguous stretch of the text (a fact
 and its neighbours) and inserting never searches. Layout (``confkv_kernels.recall_reference``):
-  payload  k8, v8 (P, Hkv, S, D) int8, ks, vs (P, Hkv, S) f16, valid (P, S), ema, cum (P, S)
-           on the hot device on CPU; in pinned host memory when the hot tier is on CUDA
+  payload  k8, v8 (P, Hkv, S, D) int8, ks, vs (P, Hkv, S) f16, valid, shadow (P, S), ema, cum
+           (P, S) on the hot device on CPU; in pinned host memory when the hot tier is on CUDA
   summary  lo8, hi8 (P, Hkv, D) int8, sscale (P, Hkv) f16 on the hot device (hot bytes)
-Slots of freed pages are reused. Bytes: ``nbytes`` counts the live tokens' payload exactly as the
-hot tier counts its INT8 slots; ``summary_bytes`` the live pages' bounds.
+Slots of freed pages are reused. A recalled token leaves a *shadow*: its payload stays in its page
+(no longer ``valid``: never scored, voted or recalled again while it is hot), so when it is evicted
+again (a gated step's room is emptied on the next confident step) it only turns valid again: no
+copy, no bound widening, no new page. Hot INT8 tokens never change, so the shadow is the token.
+Bytes: ``nbytes`` counts the stored payload (valid and shadow tokens) exactly as the hot tier
+counts its INT8 slots; ``summary_bytes`` the live pages' bounds (pages with shadows included).
 """
 
 from __future__ import annotations
 
 import torch
-from confkv_kernels import gather_pages, page_scores, scatter_pages, summarize_pages
+from confkv_kernels import gather_pages, page_scores, scatter_pages
+from confkv_kernels.recall_reference import quantize_bounds_ref
 
 from confkv.memory import KVGeometry
 
@@ -30,7 +35,8 @@ class ColdStore:
         self.page_summary_bytes = 2 * h * d + h * 2  # lo8 + hi8 + one f16 scale per head
         self.slot_of: dict[int, int] = {}  # page id -> slot
         self._free: list[int] = []
-        self.n_tokens = 0
+        self.n_tokens = 0  # valid (cold-only) tokens
+        self.n_shadow = 0  # payload kept for recalled tokens that are hot now
         self.dropped_tokens = 0
         pd, sd = self.payload_device, self.device
         self.k8 = torch.zeros(0, h, page, d, dtype=torch.int8, device=pd)
@@ -38,6 +44,7 @@ class ColdStore:
         self.ks = torch.zeros(0, h, page, dtype=torch.float16, device=pd)
         self.vs = torch.zeros(0, h, page, dtype=torch.float16, device=pd)
         self.valid = torch.zeros(0, page, dtype=torch.bool, device=pd)
+        self.shadow = torch.zeros(0, page, dtype=torch.bool, device=pd)
         self.ema = torch.zeros(0, page, dtype=torch.float32, device=pd)
         self.cum = torch.zeros(0, page, dtype=torch.float32, device=pd)
         self.page_id = torch.full((0,), -1, dtype=torch.long, device=pd)
@@ -45,11 +52,14 @@ class ColdStore:
         self.hi8 = torch.zeros(0, h, d, dtype=torch.int8, device=sd)
         self.sscale = torch.zeros(0, h, dtype=torch.float16, device=sd)
         self.live = torch.zeros(0, dtype=torch.bool, device=sd)
-        # keys evicted since the bounds were last widened (slot, offset, k8, ks per token; on the
+        # keys evicted since the bounds were last widened (slot, k8, ks per token; on the
         # hot device): widening is batched, at most a page of tokens late, and always done
         # before the bounds are read or a slot is freed
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_n = 0
+        # evicted tokens not yet written to their pages (``add``; counted, pages allocated)
+        self._inbox: list[tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        self._inbox_n = 0
 
     # -- sizes -------------------------------------------------------------------------------------
     @property
@@ -57,8 +67,9 @@ class ColdStore:
         return len(self.slot_of)
 
     def nbytes(self) -> int:
-        """Exact bytes of the cold tokens (INT8 payload + scales), like an INT8 hot slot each."""
-        return self.n_tokens * self.token_bytes
+        """Exact bytes of the stored payload (INT8 + scales; valid and shadow tokens), like an INT8
+        hot slot each."""
+        return (self.n_tokens + self.n_shadow) * self.token_bytes
 
     def summary_bytes(self) -> int:
         return self.n_pages * self.page_summary_bytes
@@ -69,7 +80,7 @@ class ColdStore:
         if need <= cap:
             return
         new_cap = max(need, 2 * cap, 8)
-        names = ("k8", "v8", "ks", "vs", "valid", "ema", "cum", "page_id", "lo8", "hi8", "sscale", "live")
+        names = ("k8", "v8", "ks", "vs", "valid", "shadow", "ema", "cum", "page_id", "lo8", "hi8", "sscale", "live")
         for name in names:
             old = getattr(self, name)
             fill = -1 if name == "page_id" else 0
@@ -93,27 +104,68 @@ class ColdStore:
 
     # -- in --------------------------------------------------------------------------------------------
     def add(self, tokens: dict[str, torch.Tensor]) -> None:
-        """Store evicted tokens (``LayerStore.take_int8`` layout) and widen their pages' bounds."""
+        """Store evicted tokens (``LayerStore.evict_int8`` layout). Counts and pages are exact at
+        once; the payload is written and the bounds widened in batches (``settle``: when a page
+        of tokens has arrived, and before anything reads the pages)."""
         pos = tokens["pos"]
         m = pos.shape[0]
         if m == 0:
             return
-        pages, local = torch.unique(pos // self.page, return_inverse=True)
-        slots = torch.tensor(self._slots_for(pages.tolist()), dtype=torch.long)
-        offset = pos % self.page
         pd = self.payload_device
-        slot_t, off_t = slots[local.cpu()].to(pd), offset.to(pd)
+        if m <= 8:  # a decode step's eviction: plain Python beats the tensor ops' overhead
+            pos_list = pos.tolist()
+            self._slots_for(sorted({p // self.page for p in pos_list}))
+            slot_t = torch.tensor([self.slot_of[p // self.page] for p in pos_list], dtype=torch.long, device=pd)
+            off_t = torch.tensor([p % self.page for p in pos_list], dtype=torch.long, device=pd)
+        else:
+            pages, local = torch.unique(pos // self.page, return_inverse=True)
+            slots = torch.tensor(self._slots_for(pages.tolist()), dtype=torch.long)
+            slot_t, off_t = slots[local.cpu()].to(pd), (pos % self.page).to(pd)
+        n_back = int(self.shadow[slot_t, off_t].sum()) if self.n_shadow else 0
+        self.n_tokens += m
+        self.n_shadow -= n_back
+        self._inbox.append((tokens, slot_t, off_t))
+        self._inbox_n += m
+        if self._inbox_n >= self.page:
+            self.settle()
+
+    def settle(self) -> None:
+        """Write the tokens ``add`` has queued into their pages (payload, ``valid``, scores;
+        called before anything reads the pages). Tokens with a shadow (recalled, now evicted
+        again) only turn valid again: their payload is still here and their keys are inside the
+        page bounds. The others' keys wait in ``_pending`` to widen the bounds (at most a page
+        of tokens late, always before the bounds are read)."""
+        if not self._inbox:
+            return
+        inbox, self._inbox, self._inbox_n = self._inbox, [], 0
+        if len(inbox) == 1:
+            tokens, slot_t, off_t = inbox[0]
+        else:
+            parts = [t for t, _, _ in inbox]
+            tokens = {name: torch.cat([t[name] for t in parts], dim=min(1, parts[0][name].dim() - 1)) for name in parts[0]}
+            slot_t, off_t = torch.cat([s for _, s, _ in inbox]), torch.cat([o for _, _, o in inbox])
+        self._write(tokens, slot_t, off_t)
+        if self._pending_n >= self.page:
+            self.flush_bounds()
+
+    def _write(self, tokens: dict[str, torch.Tensor], slot_t: torch.Tensor, off_t: torch.Tensor) -> None:
+        pd = self.payload_device
+        self.ema[slot_t, off_t] = tokens["ema"].to(pd)
+        self.cum[slot_t, off_t] = tokens["cum"].to(pd)
+        back = self.shadow[slot_t, off_t]
+        if bool(back.any()):
+            self.shadow[slot_t[back], off_t[back]] = False
+            self.valid[slot_t[back], off_t[back]] = True
+            if bool(back.all()):
+                return
+            new = ~back
+            slot_t, off_t = slot_t[new], off_t[new]
+            tokens = {name: tokens[name][:, new.to(tokens[name].device)] for name in ("k", "v", "ks", "vs")}
         tk, tv = tokens["k"].to(pd, non_blocking=True), tokens["v"].to(pd, non_blocking=True)
         tks, tvs = tokens["ks"].to(pd, non_blocking=True), tokens["vs"].to(pd, non_blocking=True)
         scatter_pages(self.k8, self.v8, self.ks, self.vs, self.valid, slot_t, off_t, tk, tv, tks, tvs)
-        self.ema[slot_t, off_t] = tokens["ema"].to(pd)
-        self.cum[slot_t, off_t] = tokens["cum"].to(pd)
-        self.n_tokens += m
-        slot_tok = slots.to(self.device)[local.to(self.device)]
-        self._pending.append((slot_tok, offset.to(self.device), tokens["k"], tokens["ks"]))
-        self._pending_n += m
-        if self._pending_n >= self.page:
-            self.flush_bounds()
+        self._pending.append((slot_t.to(self.device), tokens["k"], tokens["ks"]))
+        self._pending_n += slot_t.shape[0]
 
     def flush_bounds(self) -> None:
         """Widen the bounds of the pages that received keys since the last flush (one batched
@@ -121,58 +173,61 @@ class ColdStore:
         if not self._pending:
             return
         parts = list(zip(*self._pending, strict=True))
-        slot_tok, offset = torch.cat(parts[0]), torch.cat(parts[1])
-        k8, ks = torch.cat(parts[2], dim=1), torch.cat(parts[3], dim=1)  # (Hkv, n, D), (Hkv, n)
+        slot_tok = torch.cat(parts[0])
+        k8, ks = torch.cat(parts[1], dim=1), torch.cat(parts[2], dim=1)  # (Hkv, n, D), (Hkv, n)
         self._pending, self._pending_n = [], 0
         slots, local = torch.unique(slot_tok, return_inverse=True)
-        self._widen_bounds(slots, local, offset, k8, ks)
+        self._widen_bounds(slots, local, k8, ks)
 
     def _forget_pending(self, slots: torch.Tensor) -> None:
         """Pending keys of pages leaving their slots are moot (the slot's bounds are reset)."""
         if not self._pending:
             return
         kept = []
-        for slot_tok, offset, k8, ks in self._pending:
+        for slot_tok, k8, ks in self._pending:
             stay = ~torch.isin(slot_tok, slots)
             if bool(stay.all()):
-                kept.append((slot_tok, offset, k8, ks))
+                kept.append((slot_tok, k8, ks))
             elif bool(stay.any()):
-                kept.append((slot_tok[stay], offset[stay], k8[:, stay], ks[:, stay]))
+                kept.append((slot_tok[stay], k8[:, stay], ks[:, stay]))
         self._pending = kept
         self._pending_n = sum(p[0].shape[0] for p in kept)
 
-    def _widen_bounds(self, slots, local, offset, k8, ks) -> None:
-        """Merge the new keys into the pages' bounds: summarize the new tokens as pages, then
-        summarize {old lo, old hi, new lo, new hi} as 4-token pages (bounds are INT8 keys too)."""
+    def _widen_bounds(self, slots, local, k8, ks) -> None:
+        """Merge the new keys k8, ks (Hkv, n, D), (Hkv, n) of pages ``slots[local]`` into the
+        pages' bounds: exact per-dimension min/max of the new keys and the old bounds, then one
+        outward rounding to INT8 (``quantize_bounds_ref``), so every key stays inside."""
         a, (h, _, d) = slots.shape[0], k8.shape
         dev = self.device
-        block_k = torch.zeros(a, h, self.page, d, dtype=torch.int8, device=dev)
-        block_s = torch.zeros(a, h, self.page, dtype=torch.float16, device=dev)
-        block_valid = torch.zeros(a, self.page, dtype=torch.bool, device=dev)
-        k8, ks, offset = k8.to(dev), ks.to(dev), offset.to(dev)
-        scatter_pages(block_k, block_k, block_s, block_s, block_valid, local, offset, k8, k8, ks, ks)
-        new_lo, new_hi, new_s = summarize_pages(block_k, block_s, block_valid)
-        old_lo, old_hi, old_s = self.lo8[slots], self.hi8[slots], self.sscale[slots]
-        had = (old_s != 0).any(-1)  # (A,) a page with bounds already (scales are never 0)
-        four_k = torch.stack([old_lo, old_hi, new_lo, new_hi], dim=2)  # (A, Hkv, 4, D)
-        four_s = torch.stack([old_s, old_s, new_s, new_s], dim=2)  # (A, Hkv, 4)
-        four_valid = torch.stack([had, had, torch.ones_like(had), torch.ones_like(had)], dim=1)
-        lo, hi, s = summarize_pages(four_k, four_s, four_valid)
-        self.lo8[slots], self.hi8[slots], self.sscale[slots] = lo, hi, s
+        keys = k8.to(dev).float() * ks.to(dev).float().unsqueeze(-1)  # exact: int8 x f16 fits f32
+        idx = local.to(dev).view(1, -1, 1).expand_as(keys)
+        lo = torch.full((h, a, d), float("inf"), device=dev).scatter_reduce_(1, idx, keys, "amin")
+        hi = torch.full((h, a, d), float("-inf"), device=dev).scatter_reduce_(1, idx, keys, "amax")
+        lo, hi = lo.transpose(0, 1), hi.transpose(0, 1)  # (A, Hkv, D)
+        old_s = self.sscale[slots]
+        had = (old_s != 0).any(-1).view(-1, 1, 1)  # a page with bounds already (scales are never 0)
+        s = old_s.float().unsqueeze(-1)
+        lo = torch.where(had, torch.minimum(lo, self.lo8[slots].float() * s), lo)
+        hi = torch.where(had, torch.maximum(hi, self.hi8[slots].float() * s), hi)
+        self.lo8[slots], self.hi8[slots], self.sscale[slots] = quantize_bounds_ref(lo, hi)
 
     # -- out -------------------------------------------------------------------------------------------
     def scores(self, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
         """(capacity,) upper bound of each page's best relative log-weight; -inf for free slots."""
+        self.settle()
         self.flush_bounds()
         s = page_scores(q, self.lo8, self.hi8, self.sscale, lse, scaling)
         return s.masked_fill(~self.live, float("-inf"))
 
     def page_counts(self) -> torch.Tensor:
         """(capacity,) cold tokens per slot, on the hot device."""
+        self.settle()
         return self.valid.sum(1).to(self.device)
 
     def take(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Remove pages ``slots`` (R,) and return their tokens on the hot device (INT8 layout)."""
+        """Recall the valid tokens of pages ``slots`` (R,) -> their tokens on the hot device (INT8
+        layout). Their payload stays as shadows (the pages keep their slots and bounds)."""
+        self.settle()
         pd = self.payload_device
         slots_p = slots.to(pd)
         k, v, ks, vs, flat = gather_pages(self.k8, self.v8, self.ks, self.vs, self.valid, slots_p)
@@ -186,13 +241,39 @@ class ColdStore:
             "ema": self.ema[slot_of_tok, off],
             "cum": self.cum[slot_of_tok, off],
         }
-        self._free_slots(slots_p)
+        n = off.shape[0]
+        self.shadow[slots_p] |= self.valid[slots_p]
+        self.valid[slots_p] = False
+        self.n_tokens -= n
+        self.n_shadow += n
         return {name: t.to(self.device, non_blocking=True) for name, t in out.items()}
 
+    def forget_from(self, start: int) -> None:
+        """Forget every token (valid or shadow) at positions >= ``start``: a rolled-back probe's
+        positions are fed again, and their new keys must not meet stale copies."""
+        first = start // self.page
+        late = [p for p in self.slot_of if p >= first]
+        if not late:
+            return
+        self.settle()
+        offsets = torch.arange(self.page, device=self.payload_device)
+        for p in late:
+            slot = self.slot_of[p]
+            gone = (p * self.page + offsets) >= start
+            self.n_tokens -= int((self.valid[slot] & gone).sum())
+            self.n_shadow -= int((self.shadow[slot] & gone).sum())
+            self.valid[slot] &= ~gone
+            self.shadow[slot] &= ~gone
+            if not bool(self.valid[slot].any() | self.shadow[slot].any()):
+                self._free_slots(torch.tensor([slot], dtype=torch.long, device=self.payload_device))
+
     def _free_slots(self, slots: torch.Tensor) -> None:
+        self.settle()
         self._forget_pending(slots.to(self.device))
         self.n_tokens -= int(self.valid[slots].sum())
+        self.n_shadow -= int(self.shadow[slots].sum())
         self.valid[slots] = False
+        self.shadow[slots] = False
         for slot, pid in zip(slots.tolist(), self.page_id[slots].tolist(), strict=True):
             del self.slot_of[pid]
             self._free.append(slot)
@@ -204,19 +285,25 @@ class ColdStore:
         self.sscale[dev_slots] = 0
 
     def drop_to(self, max_pages: int, max_tokens: int) -> int:
-        """Drop the least attended pages (max cumulative attention, older first on ties) until both
-        limits hold; returns the tokens dropped (they are gone for good, and counted)."""
-        if self.n_pages <= max_pages and self.n_tokens <= max_tokens:
+        """Drop pages until both limits hold (``max_tokens`` counts shadows, which are stored):
+        pages holding only shadows first (nothing is lost: their tokens are hot), then the least
+        attended (max cumulative attention, older first on ties). Returns the valid tokens
+        dropped (they are gone for good, and counted)."""
+        if self.n_pages <= max_pages and self.n_tokens + self.n_shadow <= max_tokens:
             return 0
+        self.settle()
         live = self.page_id >= 0
         utility = self.cum.masked_fill(~self.valid, float("-inf")).amax(1)
-        utility = utility + 1e-9 * self.page_id.float()
+        utility = utility.clamp_min(-1e30) + 1e-9 * self.page_id.float()
         order = utility.masked_fill(~live, float("inf")).argsort()
         counts = self.valid.sum(1)[order]
+        stored = counts + self.shadow.sum(1)[order]
         dropped_pages = 0
         dropped = 0
-        while self.n_pages - dropped_pages > max_pages or self.n_tokens - dropped > max_tokens:
+        freed = 0
+        while self.n_pages - dropped_pages > max_pages or self.n_tokens + self.n_shadow - freed > max_tokens:
             dropped += int(counts[dropped_pages])
+            freed += int(stored[dropped_pages])
             dropped_pages += 1
         self._free_slots(order[:dropped_pages])
         self.dropped_tokens += dropped

@@ -199,6 +199,7 @@ class RecallTier:
         self.hot_mass[layer] = (store.meta("pos"), hot[:, 0] if last else hot.sum(dim=(0, 1)))
         cold = self.cold[layer]
         if cold.n_tokens:
+            cold.settle()
             w = cold_weights(cold, q_obs, lse, scaling)[:, :, cold.valid]  # (Hq, M, live slots)
             self.cold_mass[layer] = (cold_positions(cold)[cold.valid], w[:, 0] if last else w.sum(dim=(0, 1)))
 
@@ -254,6 +255,7 @@ class RecallTier:
         hot_score = g[pos].masked_fill(protected, float("-inf"))
         cold = self.cold[layer]
         if cold.n_tokens:
+            cold.settle()
             cpos = cold_positions(cold).clamp_max(g.shape[0] - 1)
             page_score = g.to(cold.payload_device)[cpos].masked_fill(~cold.valid, float("-inf")).amax(1)
             page_score = page_score.masked_fill(cold.page_id < 0, float("-inf")).to(g.device)

@@ -55,6 +55,8 @@ class SequenceCache:
         self._inert = not self.policy.evicts and not self.policy.int8 and self.tier is None
         self.layer_bytes = [0] * geometry.n_layers
         self._total_bytes = 0
+        self._cold_layer_bytes = [0] * geometry.n_layers  # cold bytes as of each layer's refresh
+        self._cold_bytes = 0
         self.stats = SequenceStats()
         self.last_confidence: float | None = None
         self._evicted_this_step = 0
@@ -127,9 +129,11 @@ class SequenceCache:
     def _refresh_bytes(self, layer: int) -> None:
         now = self.stores[layer].nbytes_fast()
         if self.tier is not None:
-            now += self.tier.cold[layer].summary_bytes()
-            cold = self.tier.cold_bytes()
-            self.stats.peak_cold_bytes = max(self.stats.peak_cold_bytes, cold)
+            cold = self.tier.cold[layer]
+            now += cold.summary_bytes()
+            self._cold_bytes += cold.nbytes() - self._cold_layer_bytes[layer]
+            self._cold_layer_bytes[layer] = cold.nbytes()
+            self.stats.peak_cold_bytes = max(self.stats.peak_cold_bytes, self._cold_bytes)
         self._total_bytes += now - self.layer_bytes[layer]
         self.layer_bytes[layer] = now
         if self._total_bytes > self.stats.peak_bytes:
@@ -151,9 +155,10 @@ class SequenceCache:
             scores = scores.float() + _PIN_BONUS * (meta("pin") >= store.next_pos)
         mask = select_keep(scores, positions, keep, store.next_pos - self.policy.protected, self.policy.s)
         if self.tier is not None:
-            dropped = self.tier.add_evicted(layer, store.take_int8(~mask))
+            dropped = self.tier.add_evicted(layer, store.evict_int8(mask))
             self.stats.cold_dropped_tokens += dropped
-        store.keep(mask)
+        else:
+            store.keep(mask)
         evicted = n - len(store)
         self.stats.evicted_tokens += evicted
         self._evicted_this_step += evicted
@@ -273,6 +278,8 @@ class SequenceCache:
         for layer, store in enumerate(self.stores):
             store.keep(store.meta("pos") < start)
             store.next_pos = start
+            if self.tier is not None:
+                self.tier.cold[layer].forget_from(start)
             self._refresh_bytes(layer)
 
     def recall_voted(self, incoming: int = 0) -> int:

@@ -90,6 +90,30 @@ class _Part:
                 self.t[name].narrow(self.axis[name], new_n, self.n - new_n).zero_()
         self.n = new_n
 
+    def split(self, mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """``keep(mask)`` that returns the slots it lets go (``take(~mask)``; None if none). When
+        many go, one gather per tensor: the live slots are permuted kept-first, the kept prefix
+        is written back (their order kept) and the rest is returned."""
+        new_n = int(mask.sum())
+        if new_n == self.n:
+            return None
+        if 8 * (self.n - new_n) < self.n:  # a few leave (a decode step): gather them, fill holes
+            out = self.take(~mask)
+            self.keep(mask)
+            return out
+        perm = torch.cat([mask.nonzero().squeeze(1), (~mask).nonzero().squeeze(1)])
+        out = {}
+        for name, tensor in self.t.items():
+            ax = self.axis[name]
+            moved = self.view(name).index_select(ax, perm)
+            tensor.narrow(ax, 0, new_n).copy_(moved.narrow(ax, 0, new_n))
+            out[name] = moved.narrow(ax, new_n, self.n - new_n)
+        for name in _ZEROED:
+            if name in self.t:
+                self.t[name].narrow(self.axis[name], new_n, self.n - new_n).zero_()
+        self.n = new_n
+        return out
+
     def take(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copies of the live slots selected by ``mask``."""
         idx = mask.nonzero().squeeze(1)
@@ -242,16 +266,15 @@ class LayerStore:
         self.fp.keep(~old)
 
     # -- recall tier: tokens leave and return in INT8 form ----------------------------------------
-    def take_int8(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copies of the tokens where ``mask`` (n,) is True (ordered as ``meta()``), in INT8 form:
-        k, v (Hkv, m, D) int8, ks, vs (Hkv, m) float16, pos, ema, cum (m,). INT8 slots are taken
-        byte for byte; FP slots are quantized exactly as ``demote_old`` would."""
+    def evict_int8(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``keep(mask)``, returning the tokens it lets go in INT8 form: k, v (Hkv, m, D) int8,
+        ks, vs (Hkv, m) float16, pos, ema, cum, pin (m,); {} if none. INT8 slots leave byte for
+        byte; FP slots are quantized exactly as ``demote_old`` would."""
         n_q = self.q.n
         parts = []
-        if bool(mask[:n_q].any()):
-            parts.append(self.q.take(mask[:n_q]))
-        if bool(mask[n_q:].any()):
-            moved = self.fp.take(mask[n_q:])
+        if (gone := self.q.split(mask[:n_q])) is not None:
+            parts.append(gone)
+        if (moved := self.fp.split(mask[n_q:])) is not None:
             k8, ks = quantize_int8(moved["k"])
             v8, vs = quantize_int8(moved["v"])
             parts.append({**moved, "k": k8, "v": v8, "ks": ks, "vs": vs})
@@ -270,5 +293,5 @@ class LayerStore:
                 pins[m] = torch.clamp_min(pins[m], until)
 
     def insert_int8(self, tokens: dict[str, torch.Tensor]) -> None:
-        """Add INT8 tokens (the ``take_int8`` layout, ``pin`` included) to the INT8 slots."""
+        """Add INT8 tokens (the ``evict_int8`` layout, ``pin`` included) to the INT8 slots."""
         self.q.append(tokens)

@@ -40,8 +40,12 @@ def summarize_pages_ref(
     lo = keys.masked_fill(~m, float("inf")).amin(2)
     hi = keys.masked_fill(~m, float("-inf")).amax(2)
     empty = ~valid.any(1)[:, None, None]
-    lo = lo.masked_fill(empty, 0.0)
-    hi = hi.masked_fill(empty, 0.0)
+    return quantize_bounds_ref(lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0))
+
+
+def quantize_bounds_ref(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float bounds lo, hi (P, Hkv, D) -> lo8, hi8 (P, Hkv, D) int8, sscale (P, Hkv) f16, rounded
+    outward: lo8*sscale <= lo and hi <= hi8*sscale."""
     amax = torch.maximum(lo.abs(), hi.abs()).amax(-1)  # (P, Hkv)
     scale = _round_scale_up((amax / _QMAX).clamp_min(_MIN_SCALE))
     s = scale.float().unsqueeze(-1)

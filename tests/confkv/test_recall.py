@@ -68,7 +68,41 @@ def test_cold_round_trip_is_exact():
         assert torch.equal(back[name][:, order], tokens[name])
     for name in ("ema", "cum"):
         assert torch.equal(back[name][order], tokens[name])
-    assert cold.n_tokens == 0 and cold.n_pages == 0 and cold.summary_bytes() == 0
+    # recalled tokens leave shadows: stored (counted), never recalled again while hot
+    assert cold.n_tokens == 0 and cold.n_shadow == 37 and cold.nbytes() == 37 * GEOM.int8_token_bytes
+    assert int(cold.page_counts().sum()) == 0 and not bool(cold.valid.any())
+    # evicted again (new scores): they turn valid in place, and a second recall is exact too
+    back["ema"], back["cum"] = back["ema"] + 1, back["cum"] + 2
+    k8_before = cold.k8.clone()
+    cold.add({name: t for name, t in back.items()})
+    assert cold.n_tokens == 37 and cold.n_shadow == 0 and torch.equal(cold.k8, k8_before)
+    again = cold.take(torch.tensor(sorted(cold.slot_of.values())))
+    order2 = again["pos"].argsort()
+    for name in ("k", "v", "ks", "vs"):
+        assert torch.equal(again[name][:, order2], tokens[name])
+    for name, plus in (("ema", 1), ("cum", 2)):
+        assert torch.equal(again[name][order2], tokens[name] + plus)
+    # a bounded tier drops shadow-only pages first and counts no token as lost
+    assert cold.drop_to(0, 1 << 62) == 0 and cold.dropped_tokens == 0
+    assert cold.n_shadow == 0 and cold.n_pages == 0 and cold.summary_bytes() == 0 and cold.nbytes() == 0
+
+
+def test_cold_shadows_are_dropped_before_cold_tokens():
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    cold.add(_int8_tokens(16, start=0))  # pages 0 and 1
+    cold.take(torch.tensor([cold.slot_of[0]]))  # page 0 is hot now: shadows only
+    assert cold.drop_to(1, 1 << 62) == 0  # the shadow-only page goes, no valid token is lost
+    assert list(cold.slot_of) == [1] and cold.n_tokens == 8 and cold.n_shadow == 0
+    assert cold.drop_to(0, 1 << 62) == 8 and cold.dropped_tokens == 8
+
+
+def test_cold_forget_from_drops_valid_and_shadow_tokens():
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    cold.add(_int8_tokens(20, start=0))  # pages 0, 1, 2 (4 tokens)
+    cold.take(torch.tensor([cold.slot_of[1]]))
+    cold.forget_from(12)  # page 1 keeps 8..11 as shadows, page 2 goes
+    assert sorted(cold.slot_of) == [0, 1] and cold.n_tokens == 8 and cold.n_shadow == 4
+    assert cold.nbytes() == 12 * GEOM.int8_token_bytes
 
 
 def test_attention_over_recalled_cache_equals_never_evicted():
@@ -89,8 +123,7 @@ def test_attention_over_recalled_cache_equals_never_evicted():
     cold = ColdStore(GEOM, page=8, device="cpu")
     evict = torch.zeros(len(store), dtype=torch.bool)
     evict[torch.tensor([1, 2, 3, 9, 10, 17, 30, 31])] = True
-    cold.add(store.take_int8(evict))
-    store.keep(~evict)
+    cold.add(store.evict_int8(~evict))
     assert len(store) == 32
     back = cold.take(torch.tensor(sorted(cold.slot_of.values())))
     back["pin"] = torch.zeros(back["pos"].shape[0], dtype=torch.long)
@@ -146,11 +179,27 @@ def test_hot_bytes_within_budget_and_tokens_conserved(tiny_model, token_ids, spe
         assert len(store) <= peak_budgets[layer]
         # every token seen is hot, cold, or dropped by the bounded cold tier (and counted)
         assert len(store) + cold.n_tokens + cold.dropped_tokens == seq.seen_tokens
+        queued = cold.nbytes()
+        cold.settle()  # queued evictions go into their pages; counts were exact before
+        assert cold.nbytes() == queued
+        stored = cold.valid | cold.shadow  # shadows: recalled tokens' payload, kept for re-eviction
+        assert not bool((cold.valid & cold.shadow).any())
         assert cold.nbytes() == sum(
-            t[cold.valid].nbytes for t in (cold.k8.transpose(1, 2), cold.v8.transpose(1, 2))
-        ) + sum(t[cold.valid].nbytes for t in (cold.ks.transpose(1, 2), cold.vs.transpose(1, 2)))
+            t[stored].nbytes for t in (cold.k8.transpose(1, 2), cold.v8.transpose(1, 2))
+        ) + sum(t[stored].nbytes for t in (cold.ks.transpose(1, 2), cold.vs.transpose(1, 2)))
+        # a shadow is exactly the hot INT8 token at its position, and only hot tokens have one
+        slot_off = cold.shadow.nonzero()
+        if slot_off.numel():
+            shadow_pos = cold.page_id[slot_off[:, 0]] * cold.page + slot_off[:, 1]
+            hot_pos = store.q.view("pos")
+            assert bool(torch.isin(shadow_pos, hot_pos).all())
+            at = (hot_pos.unsqueeze(1) == shadow_pos.unsqueeze(0)).float().argmax(0)
+            for name, mine in (("k", cold.k8), ("v", cold.v8), ("ks", cold.ks), ("vs", cold.vs)):
+                hot = store.q.view(name)[:, at]
+                assert torch.equal(mine[slot_off[:, 0], :, slot_off[:, 1]].transpose(0, 1), hot)
         # hot bytes = stored hot tensors + live page summaries
         assert seq.layer_bytes[layer] == store.nbytes() + cold.summary_bytes()
+    assert seq._cold_bytes == seq.cold_nbytes() <= seq.stats.peak_cold_bytes  # tracked per layer
     assert seq.stats.recalled_tokens > 0
     if seq.policy.cold_bytes:
         assert seq.stats.peak_cold_bytes <= seq.policy.cold_bytes

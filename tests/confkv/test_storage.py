@@ -124,3 +124,37 @@ def test_an_appended_token_starts_with_zero_statistics_after_evictions():
     for name in ("ema", "cum", "pin"):
         assert torch.all(store.fp.view(name)[fresh] == 0), name
         assert torch.all(store.fp.view(name)[~fresh] != 0), name
+
+
+def test_evict_int8_keeps_like_keep_and_returns_the_rest_in_int8():
+    """``evict_int8(mask)`` leaves the store exactly as ``keep(mask)`` would (the same tokens with
+    the same values and statistics) and returns the others: INT8 slots byte for byte, FP slots
+    quantized as ``demote_old`` would; the freed slots' statistics are zero."""
+    g = torch.Generator().manual_seed(4)
+    stores = [LayerStore(2, 8, torch.float32, "cpu", int8=True, window=6) for _ in range(2)]
+    k, v = torch.randn(2, 30, 8, generator=g), torch.randn(2, 30, 8, generator=g)
+    mass8, massf = torch.rand(24, generator=g), torch.rand(6, generator=g)
+    for store in stores:
+        store.append(k, v)
+        store.demote_old()  # 24 INT8 + 6 FP
+        store.add_attention(mass8, massf, 0.5)
+    mask = torch.rand(30, generator=g) > 0.4
+    mask[3], mask[27] = False, False  # an INT8 and an FP token leave at least
+    a, b = stores
+    gone = a.evict_int8(mask)
+    b_pos, b_q, b_fp = b.meta("pos"), b.q.n, b.fp.n
+    b.keep(mask)
+    for part_a, part_b in ((a.q, b.q), (a.fp, b.fp)):
+        order_a, order_b = part_a.view("pos").argsort(), part_b.view("pos").argsort()
+        for name in part_a.t:
+            ax = part_a.axis[name]
+            assert torch.equal(part_a.view(name).index_select(ax, order_a), part_b.view(name).index_select(ax, order_b))
+            if name in ("ema", "cum", "pin"):
+                assert torch.all(part_a.t[name][part_a.n :] == 0)
+    assert sorted(gone["pos"].tolist()) == sorted(b_pos[~mask].tolist()) and b_q + b_fp == 30
+    q_gone = gone["pos"] < 24
+    fp_k8, fp_ks = quantize_int8_ref(k[:, gone["pos"][~q_gone]])
+    assert torch.equal(gone["k"][:, ~q_gone], fp_k8) and torch.equal(gone["ks"][:, ~q_gone], fp_ks)
+    q_k8, _ = quantize_int8_ref(k[:, gone["pos"][q_gone]])
+    assert torch.equal(gone["k"][:, q_gone], q_k8)
+    assert a.evict_int8(torch.ones(len(a), dtype=torch.bool)) == {}
