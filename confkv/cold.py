@@ -80,7 +80,7 @@ class ColdStore:
         if need <= cap:
             return
         new_cap = max(need, 2 * cap, 8)
-        names = ("k8", "v8", "ks", "vs", "valid", "shadow", "ema", "cum", "page_id", "lo8", "hi8", "sscale", "live")
+        names = "k8 v8 ks vs valid shadow ema cum page_id lo8 hi8 sscale live".split()
         for name in names:
             old = getattr(self, name)
             fill = -1 if name == "page_id" else 0
@@ -115,7 +115,9 @@ class ColdStore:
         if m <= 8:  # a decode step's eviction: plain Python beats the tensor ops' overhead
             pos_list = pos.tolist()
             self._slots_for(sorted({p // self.page for p in pos_list}))
-            slot_t = torch.tensor([self.slot_of[p // self.page] for p in pos_list], dtype=torch.long, device=pd)
+            slot_t = torch.tensor(
+                [self.slot_of[p // self.page] for p in pos_list], dtype=torch.long, device=pd
+            )
             off_t = torch.tensor([p % self.page for p in pos_list], dtype=torch.long, device=pd)
         else:
             pages, local = torch.unique(pos // self.page, return_inverse=True)
@@ -142,7 +144,10 @@ class ColdStore:
             tokens, slot_t, off_t = inbox[0]
         else:
             parts = [t for t, _, _ in inbox]
-            tokens = {name: torch.cat([t[name] for t in parts], dim=min(1, parts[0][name].dim() - 1)) for name in parts[0]}
+            tokens = {
+                name: torch.cat([t[name] for t in parts], dim=min(1, parts[0][name].dim() - 1))
+                for name in parts[0]
+            }
             slot_t, off_t = torch.cat([s for _, s, _ in inbox]), torch.cat([o for _, _, o in inbox])
         self._write(tokens, slot_t, off_t)
         if self._pending_n >= self.page:

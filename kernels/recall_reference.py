@@ -43,7 +43,7 @@ def summarize_pages_ref(
     return quantize_bounds_ref(lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0))
 
 
-def quantize_bounds_ref(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_bounds_ref(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Float bounds lo, hi (P, Hkv, D) -> lo8, hi8 (P, Hkv, D) int8, sscale (P, Hkv) f16, rounded
     outward: lo8*sscale <= lo and hi <= hi8*sscale."""
     amax = torch.maximum(lo.abs(), hi.abs()).amax(-1)  # (P, Hkv)

@@ -148,7 +148,9 @@ def test_evict_int8_keeps_like_keep_and_returns_the_rest_in_int8():
         order_a, order_b = part_a.view("pos").argsort(), part_b.view("pos").argsort()
         for name in part_a.t:
             ax = part_a.axis[name]
-            assert torch.equal(part_a.view(name).index_select(ax, order_a), part_b.view(name).index_select(ax, order_b))
+            assert torch.equal(
+                part_a.view(name).index_select(ax, order_a), part_b.view(name).index_select(ax, order_b)
+            )
             if name in ("ema", "cum", "pin"):
                 assert torch.all(part_a.t[name][part_a.n :] == 0)
     assert sorted(gone["pos"].tolist()) == sorted(b_pos[~mask].tolist()) and b_q + b_fp == 30
