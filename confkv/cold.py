@@ -11,7 +11,9 @@ Slots of freed pages are reused. A recalled token leaves a *shadow*: its payload
 again (a gated step's room is emptied on the next confident step) it only turns valid again: no
 copy, no bound widening, no new page. Hot INT8 tokens never change, so the shadow is the token.
 Bytes: ``nbytes`` counts the stored payload (valid and shadow tokens) exactly as the hot tier
-counts its INT8 slots; ``summary_bytes`` the live pages' bounds (pages with shadows included).
+counts its INT8 slots; ``summary_bytes`` the bounds of the pages that hold cold tokens (a page
+of shadows only keeps its bounds in its slot, unread and uncounted, like a free slot's rows,
+until one of its tokens is evicted again).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ class ColdStore:
         h, d = geometry.n_kv_heads, geometry.head_dim
         self.token_bytes = geometry.int8_token_bytes
         self.page_summary_bytes = 2 * h * d + h * 2  # lo8 + hi8 + one f16 scale per head
-        self.slot_of: dict[int, int] = {}  # page id -> slot
+        self.slot_of: dict[int, int] = {}  # page id -> slot (pages with cold or shadow tokens)
+        self.counts: list[int] = []  # cold (valid or queued) tokens per slot
+        self.n_pages = 0  # pages holding cold tokens: the live summaries
         self._free: list[int] = []
         self.n_tokens = 0  # valid (cold-only) tokens
         self.n_shadow = 0  # payload kept for recalled tokens that are hot now
@@ -62,10 +66,6 @@ class ColdStore:
         self._inbox_n = 0
 
     # -- sizes -------------------------------------------------------------------------------------
-    @property
-    def n_pages(self) -> int:
-        return len(self.slot_of)
-
     def nbytes(self) -> int:
         """Exact bytes of the stored payload (INT8 + scales; valid and shadow tokens), like an INT8
         hot slot each."""
@@ -90,6 +90,7 @@ class ColdStore:
             grown[:cap].copy_(old)
             setattr(self, name, grown)
         self._free.extend(range(new_cap - 1, cap - 1, -1))
+        self.counts.extend([0] * (new_cap - cap))
 
     def _slots_for(self, page_ids: list[int]) -> list[int]:
         missing = [p for p in page_ids if p not in self.slot_of]
@@ -124,12 +125,29 @@ class ColdStore:
             slots = torch.tensor(self._slots_for(pages.tolist()), dtype=torch.long)
             slot_t, off_t = slots[local.cpu()].to(pd), (pos % self.page).to(pd)
         n_back = int(self.shadow[slot_t, off_t].sum()) if self.n_shadow else 0
+        if m <= 8:
+            per_slot = {}
+            for slot in slot_t.tolist():
+                per_slot[slot] = per_slot.get(slot, 0) + 1
+        else:
+            got = torch.bincount(slot_t.cpu())
+            idx = got.nonzero().squeeze(1)
+            per_slot = dict(zip(idx.tolist(), got[idx].tolist(), strict=True))
+        self._count(per_slot)
         self.n_tokens += m
         self.n_shadow -= n_back
         self._inbox.append((tokens, slot_t, off_t))
         self._inbox_n += m
         if self._inbox_n >= self.page:
             self.settle()
+
+    def _count(self, per_slot: dict[int, int]) -> None:
+        """Add ``per_slot`` cold tokens to slots' counts (negative: remove), keeping ``n_pages``."""
+        counts = self.counts
+        for slot, d in per_slot.items():
+            before = counts[slot]
+            counts[slot] = before + d
+            self.n_pages += (counts[slot] > 0) - (before > 0)
 
     def settle(self) -> None:
         """Write the tokens ``add`` has queued into their pages (payload, ``valid``, scores;
@@ -247,6 +265,7 @@ class ColdStore:
             "cum": self.cum[slot_of_tok, off],
         }
         n = off.shape[0]
+        self._count({slot: -self.counts[slot] for slot in slots_p.tolist()})
         self.shadow[slots_p] |= self.valid[slots_p]
         self.valid[slots_p] = False
         self.n_tokens -= n
@@ -265,7 +284,9 @@ class ColdStore:
         for p in late:
             slot = self.slot_of[p]
             gone = (p * self.page + offsets) >= start
-            self.n_tokens -= int((self.valid[slot] & gone).sum())
+            lost = int((self.valid[slot] & gone).sum())
+            self.n_tokens -= lost
+            self._count({slot: -lost})
             self.n_shadow -= int((self.shadow[slot] & gone).sum())
             self.valid[slot] &= ~gone
             self.shadow[slot] &= ~gone
@@ -279,6 +300,7 @@ class ColdStore:
         self.n_shadow -= int(self.shadow[slots].sum())
         self.valid[slots] = False
         self.shadow[slots] = False
+        self._count({slot: -self.counts[slot] for slot in slots.tolist()})
         for slot, pid in zip(slots.tolist(), self.page_id[slots].tolist(), strict=True):
             del self.slot_of[pid]
             self._free.append(slot)
@@ -290,10 +312,10 @@ class ColdStore:
         self.sscale[dev_slots] = 0
 
     def drop_to(self, max_pages: int, max_tokens: int) -> int:
-        """Drop pages until both limits hold (``max_tokens`` counts shadows, which are stored):
-        pages holding only shadows first (nothing is lost: their tokens are hot), then the least
-        attended (max cumulative attention, older first on ties). Returns the valid tokens
-        dropped (they are gone for good, and counted)."""
+        """Drop pages until both limits hold (``max_pages`` live summaries; ``max_tokens`` stored
+        tokens, shadows included): pages holding only shadows first (nothing is lost: their
+        tokens are hot), then the least attended (max cumulative attention, older first on
+        ties). Returns the cold tokens dropped (they are gone for good, and counted)."""
         if self.n_pages <= max_pages and self.n_tokens + self.n_shadow <= max_tokens:
             return 0
         self.settle()
@@ -303,11 +325,10 @@ class ColdStore:
         order = utility.masked_fill(~live, float("inf")).argsort()
         counts = self.valid.sum(1)[order]
         stored = counts + self.shadow.sum(1)[order]
-        dropped_pages = 0
-        dropped = 0
-        freed = 0
-        while self.n_pages - dropped_pages > max_pages or self.n_tokens + self.n_shadow - freed > max_tokens:
+        dropped_pages = dropped_live = dropped = freed = 0
+        while self.n_pages - dropped_live > max_pages or self.n_tokens + self.n_shadow - freed > max_tokens:
             dropped += int(counts[dropped_pages])
+            dropped_live += int(counts[dropped_pages] > 0)
             freed += int(stored[dropped_pages])
             dropped_pages += 1
         self._free_slots(order[:dropped_pages])

@@ -71,6 +71,8 @@ def test_cold_round_trip_is_exact():
     # recalled tokens leave shadows: stored (counted), never recalled again while hot
     assert cold.n_tokens == 0 and cold.n_shadow == 37 and cold.nbytes() == 37 * GEOM.int8_token_bytes
     assert int(cold.page_counts().sum()) == 0 and not bool(cold.valid.any())
+    # a page of shadows only holds no cold token: its summary is not a live (hot) summary
+    assert cold.n_pages == 0 and cold.summary_bytes() == 0 and len(cold.slot_of) == 6
     # evicted again (new scores): they turn valid in place, and a second recall is exact too
     back["ema"], back["cum"] = back["ema"] + 1, back["cum"] + 2
     k8_before = cold.k8.clone()
@@ -83,7 +85,7 @@ def test_cold_round_trip_is_exact():
     for name, plus in (("ema", 1), ("cum", 2)):
         assert torch.equal(again[name][order2], tokens[name] + plus)
     # a bounded tier drops shadow-only pages first and counts no token as lost
-    assert cold.drop_to(0, 1 << 62) == 0 and cold.dropped_tokens == 0
+    assert cold.drop_to(0, 0) == 0 and cold.dropped_tokens == 0
     assert cold.n_shadow == 0 and cold.n_pages == 0 and cold.summary_bytes() == 0 and cold.nbytes() == 0
 
 
@@ -91,7 +93,8 @@ def test_cold_shadows_are_dropped_before_cold_tokens():
     cold = ColdStore(GEOM, page=8, device="cpu")
     cold.add(_int8_tokens(16, start=0))  # pages 0 and 1
     cold.take(torch.tensor([cold.slot_of[0]]))  # page 0 is hot now: shadows only
-    assert cold.drop_to(1, 1 << 62) == 0  # the shadow-only page goes, no valid token is lost
+    assert cold.n_pages == 1 and cold.nbytes() == 16 * GEOM.int8_token_bytes
+    assert cold.drop_to(1, 8) == 0  # the shadow-only page goes, no cold token is lost
     assert list(cold.slot_of) == [1] and cold.n_tokens == 8 and cold.n_shadow == 0
     assert cold.drop_to(0, 1 << 62) == 8 and cold.dropped_tokens == 8
 
@@ -102,6 +105,7 @@ def test_cold_forget_from_drops_valid_and_shadow_tokens():
     cold.take(torch.tensor([cold.slot_of[1]]))
     cold.forget_from(12)  # page 1 keeps 8..11 as shadows, page 2 goes
     assert sorted(cold.slot_of) == [0, 1] and cold.n_tokens == 8 and cold.n_shadow == 4
+    assert cold.n_pages == 1  # page 1 holds shadows only
     assert cold.nbytes() == 12 * GEOM.int8_token_bytes
 
 
@@ -182,6 +186,8 @@ def test_hot_bytes_within_budget_and_tokens_conserved(tiny_model, token_ids, spe
         queued = cold.nbytes()
         cold.settle()  # queued evictions go into their pages; counts were exact before
         assert cold.nbytes() == queued
+        per_slot = cold.valid.sum(1)
+        assert per_slot.tolist() == cold.counts and cold.n_pages == int((per_slot > 0).sum())
         stored = cold.valid | cold.shadow  # shadows: recalled tokens' payload, kept for re-eviction
         assert not bool((cold.valid & cold.shadow).any())
         assert cold.nbytes() == sum(
