@@ -218,15 +218,20 @@ class ColdStore:
 
     def _widen_bounds(self, slots, local, k8, ks) -> None:
         """Merge the new keys k8, ks (Hkv, n, D), (Hkv, n) of pages ``slots[local]`` into the
-        pages' bounds: exact per-dimension min/max of the new keys and the old bounds, then one
-        outward rounding to INT8 (``quantize_bounds_ref``), so every key stays inside."""
+        pages' bounds: the new keys' exact per-dimension min/max, rounded outward to INT8 as a
+        page of their own would be (``quantize_bounds_ref``), then merged with the old bounds and
+        rounded outward again, so every key stays inside. (Rounding the new keys' bounds on
+        their own first, as ``summarize_pages`` of the new keys would, measured better dev
+        perplexity than one rounding of the exact merge: 25.08 vs 25.13 on Emma.)"""
         a, (h, _, d) = slots.shape[0], k8.shape
         dev = self.device
         keys = k8.to(dev).float() * ks.to(dev).float().unsqueeze(-1)  # exact: int8 x f16 fits f32
         idx = local.to(dev).view(1, -1, 1).expand_as(keys)
         lo = torch.full((h, a, d), float("inf"), device=dev).scatter_reduce_(1, idx, keys, "amin")
         hi = torch.full((h, a, d), float("-inf"), device=dev).scatter_reduce_(1, idx, keys, "amax")
-        lo, hi = lo.transpose(0, 1), hi.transpose(0, 1)  # (A, Hkv, D)
+        new_lo8, new_hi8, new_s = quantize_bounds_ref(lo.transpose(0, 1), hi.transpose(0, 1))
+        s = new_s.float().unsqueeze(-1)
+        lo, hi = new_lo8.float() * s, new_hi8.float() * s  # (A, Hkv, D)
         old_s = self.sscale[slots]
         had = (old_s != 0).any(-1).view(-1, 1, 1)  # a page with bounds already (scales are never 0)
         s = old_s.float().unsqueeze(-1)

@@ -461,3 +461,40 @@ def test_vote_last_ranks_what_one_head_points_at(tiny_model, token_ids):
     summed = tier.importance(length, (4, length - 8))
     assert float(summed[fact]) < float(summed[70])
     tier.clear_probe()
+
+
+def test_widened_bounds_equal_summarizing_the_new_keys_then_merging():
+    """``_widen_bounds`` (scatter min/max) equals its kernel definition: summarize the new keys
+    as pages (``summarize_pages``), then summarize {old lo, old hi, new lo, new hi}."""
+    from confkv_kernels import summarize_pages
+
+    g = torch.Generator().manual_seed(0)
+    geom = KVGeometry(n_layers=1, n_kv_heads=3, head_dim=16, dtype_bytes=4)
+    for _ in range(40):
+        cold = ColdStore(geom, page=8, device="cpu")
+        cold._grow(6)
+        slots = torch.tensor([0, 2, 5])
+        cold.lo8[:] = torch.randint(-128, 0, cold.lo8.shape, dtype=torch.int8, generator=g)
+        cold.hi8[:] = torch.randint(0, 127, cold.hi8.shape, dtype=torch.int8, generator=g)
+        cold.sscale[:] = (torch.rand(cold.sscale.shape, generator=g) * 0.1).half()
+        cold.sscale[2] = 0  # a page without bounds yet
+        local = torch.cat([torch.arange(3), torch.randint(0, 3, (9,), generator=g)])  # <= 8 per page
+        k8, ks = quantize_int8_ref(torch.randn(3, 12, 16, generator=g) * 3)
+        offset = torch.cat([(local[: i + 1] == local[i]).sum().view(1) - 1 for i in range(12)])
+        block_k = torch.zeros(3, 3, 8, 16, dtype=torch.int8)
+        block_s = torch.zeros(3, 3, 8, dtype=torch.float16)
+        block_valid = torch.zeros(3, 8, dtype=torch.bool)
+        block_k[local, :, offset] = k8.transpose(0, 1)
+        block_s[local, :, offset] = ks.transpose(0, 1)
+        block_valid[local, offset] = True
+        new_lo, new_hi, new_s = summarize_pages(block_k, block_s, block_valid)
+        old_lo, old_hi, old_s = cold.lo8[slots], cold.hi8[slots], cold.sscale[slots]
+        had = (old_s != 0).any(-1)
+        want = summarize_pages(
+            torch.stack([old_lo, old_hi, new_lo, new_hi], dim=2),
+            torch.stack([old_s, old_s, new_s, new_s], dim=2),
+            torch.stack([had, had, torch.ones_like(had), torch.ones_like(had)], dim=1),
+        )
+        cold._widen_bounds(slots, local, k8, ks)
+        for got, expected in zip((cold.lo8[slots], cold.hi8[slots], cold.sscale[slots]), want, strict=True):
+            assert torch.equal(got, expected)
