@@ -18,6 +18,9 @@ until one of its tokens is evicted again).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
+
 import torch
 from confkv_kernels import gather_pages, page_scores, scatter_pages
 from confkv_kernels.recall_reference import quantize_bounds_ref
@@ -125,15 +128,7 @@ class ColdStore:
             slots = torch.tensor(self._slots_for(pages.tolist()), dtype=torch.long)
             slot_t, off_t = slots[local.cpu()].to(pd), (pos % self.page).to(pd)
         n_back = int(self.shadow[slot_t, off_t].sum()) if self.n_shadow else 0
-        if m <= 8:
-            per_slot = {}
-            for slot in slot_t.tolist():
-                per_slot[slot] = per_slot.get(slot, 0) + 1
-        else:
-            got = torch.bincount(slot_t.cpu())
-            idx = got.nonzero().squeeze(1)
-            per_slot = dict(zip(idx.tolist(), got[idx].tolist(), strict=True))
-        self._count(per_slot)
+        self._count(Counter(slot_t.tolist()))
         self.n_tokens += m
         self.n_shadow -= n_back
         self._inbox.append((tokens, slot_t, off_t))
@@ -141,7 +136,7 @@ class ColdStore:
         if self._inbox_n >= self.page:
             self.settle()
 
-    def _count(self, per_slot: dict[int, int]) -> None:
+    def _count(self, per_slot: Mapping[int, int]) -> None:
         """Add ``per_slot`` cold tokens to slots' counts (negative: remove), keeping ``n_pages``."""
         counts = self.counts
         for slot, d in per_slot.items():
