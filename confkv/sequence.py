@@ -131,8 +131,9 @@ class SequenceCache:
         if self.tier is not None:
             cold = self.tier.cold[layer]
             now += cold.summary_bytes()
-            self._cold_bytes += cold.nbytes() - self._cold_layer_bytes[layer]
-            self._cold_layer_bytes[layer] = cold.nbytes()
+            cold_now = cold.nbytes()
+            self._cold_bytes += cold_now - self._cold_layer_bytes[layer]
+            self._cold_layer_bytes[layer] = cold_now
             self.stats.peak_cold_bytes = max(self.stats.peak_cold_bytes, self._cold_bytes)
         self._total_bytes += now - self.layer_bytes[layer]
         self.layer_bytes[layer] = now

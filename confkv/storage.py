@@ -85,7 +85,12 @@ class _Part:
             for name, tensor in self.t.items():
                 ax = self.axis[name]
                 tensor.index_copy_(ax, holes, tensor.index_select(ax, sources))
-        for name in _ZEROED:  # the freed slots start from zero when they are appended to again
+        self._shrink(new_n)
+
+    def _shrink(self, new_n: int) -> None:
+        """Live slots end at ``new_n``; the freed slots' statistics are zeroed, so they start
+        from zero when they are appended to again."""
+        for name in _ZEROED:
             if name in self.t:
                 self.t[name].narrow(self.axis[name], new_n, self.n - new_n).zero_()
         self.n = new_n
@@ -108,10 +113,7 @@ class _Part:
             moved = self.view(name).index_select(ax, perm)
             tensor.narrow(ax, 0, new_n).copy_(moved.narrow(ax, 0, new_n))
             out[name] = moved.narrow(ax, new_n, self.n - new_n)
-        for name in _ZEROED:
-            if name in self.t:
-                self.t[name].narrow(self.axis[name], new_n, self.n - new_n).zero_()
-        self.n = new_n
+        self._shrink(new_n)
         return out
 
     def take(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
