@@ -5,6 +5,8 @@
         sdpa) and ``generate_batch`` (continuous batching): decode-heavy batch 8, the batch 16/32
         curve, optionally long context (``--long``), and time to first token of a session that
         arrives while 8 others decode. Writes ``reports/worker.json`` and ``reports/worker.md``.
+        The engine runs the model's linears through oneDNN (``confkv.linear``); ``--plain-linears``
+        adds each engine policy again with PyTorch's ``F.linear``, the path transformers takes.
     python -m worker_svc.bench --batches 1,4,8
         continuous batching vs the same sessions one after another (``reports/worker_batching.*``).
 
@@ -22,7 +24,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,7 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
         kv_pool_bytes=1 << 36, max_batch_size=wl.batch, prefill_chunk=chunk, max_context_tokens=8192
     )
     engine = Engine(model, codec, config)
+    plain = Engine(model, codec, replace(config, onednn_linears=False)) if args.plain_linears else None
     runs: dict[str, list[bench_peer.Run]] = {}
     for rep in range(args.repeats):
         systems = [("hf_generate", lambda: bench_peer.hf_padded_generate(model, ids, wl.max_new, pad_id))]
@@ -177,6 +180,10 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
             systems.append((f"engine {policy}", functools.partial(
                 bench_peer.engine_run, engine, policy, texts, wl.max_new, f"r{rep}"
             )))  # fmt: skip
+            if plain is not None:  # the same engine with PyTorch's linears (what oneDNN adds)
+                systems.append((f"engine {policy} (F.linear)", functools.partial(
+                    bench_peer.engine_run, plain, policy, texts, wl.max_new, f"p{rep}"
+                )))  # fmt: skip
         for name, go in systems:
             run = go()
             runs.setdefault(name, []).append(run)
@@ -289,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--arrivals", type=int, default=10)
     parser.add_argument("--no-cb", action="store_true", help="skip transformers' generate_batch")
+    parser.add_argument(
+        "--plain-linears",
+        action="store_true",
+        help="with --peer: each engine policy again with PyTorch's F.linear (onednn_linears off)",
+    )
     parser.add_argument(
         "--policies", default=DEFAULT_POLICIES, help="';'-separated policy specs (sequential mode)"
     )

@@ -28,6 +28,7 @@ from confkv.arena import release_arena
 from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import forward, next_prefill_chunk, prompt_end_forward, sample
+from confkv.linear import install, onednn_linears
 from confkv.memory import KVGeometry
 from confkv.sequence import SequenceCache
 from worker_svc import admission
@@ -75,6 +76,8 @@ class Engine:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.geometry = KVGeometry.from_config(model.config, self.dtype)
+        if config.onednn_linears:
+            install(model)  # oneDNN linears inside this engine's steps only (``confkv.linear``)
         self.sessions: dict[str, Session] = {}
         self.pool = KVPool("hot", config.kv_pool_bytes)
         self.host_pool = KVPool("host", config.host_pool_bytes or 1 << 62)  # cold tiers (recall=1)
@@ -233,12 +236,13 @@ class Engine:
         packs = self.config.packed_prefill
         packed = [t for t in prefilling if packs and _seq(t).tier is None]  # recall: prompt-end probe
         alone = [t for t in prefilling if not (packs and _seq(t).tier is None)]
-        for turn in alone:
-            self._isolated(turn, self._prefill_chunk)
-        if packed:
-            self._mixed(continuing, packed)
-        elif continuing:
-            self._decode(continuing)
+        with onednn_linears(self.config.onednn_linears):
+            for turn in alone:
+                self._isolated(turn, self._prefill_chunk)
+            if packed:
+                self._mixed(continuing, packed)
+            elif continuing:
+                self._decode(continuing)
         with self.lock:
             self.last_batch_size = len(continuing)
             self.meter.add(len(decoding))

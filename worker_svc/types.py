@@ -62,6 +62,9 @@ class EngineConfig:
     # prompt chunks ride in the decode batch's forward (False: each chunk in its own forward first,
     # the reference path the benchmark compares time to first token against)
     packed_prefill: bool = True
+    # the model's linears through oneDNN inside the engine's steps on the CPU (``confkv.linear``;
+    # False: PyTorch's ``F.linear``, the path transformers' ``generate`` takes)
+    onednn_linears: bool = True
 
     def __post_init__(self) -> None:
         positive = (

@@ -440,3 +440,25 @@ def test_only_confidence_following_sequences_pay_for_the_confidence(make_engine)
     follows = [engine.sessions[f"c{i}"].seq.last_confidence is not None for i in range(len(policies))]
     assert follows == [False, False, True, True]
     assert [engine.sessions[f"c{i}"].seq.follows_confidence for i in range(len(policies))] == follows
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_linears_run_through_onednn_inside_engine_steps_only(model, make_engine, onednn):
+    """``EngineConfig.onednn_linears``: the model's linears take oneDNN's path during the engine's
+    forwards (where this PyTorch has it) and PyTorch's own path outside them."""
+    from confkv.linear import active, supported
+
+    seen: list[bool] = []
+    hook = model.lm_head.register_forward_hook(lambda *_: seen.append(active()))
+    try:
+        engine = make_engine(onednn_linears=onednn)
+        engine.open_session("o", "full", [])
+        engine.submit(TurnRequest("o", user(PROMPTS[0]), max_new_tokens=4))
+        engine.run_until_idle()
+        assert seen and set(seen) == {onednn and supported()}
+        seen.clear()
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+        assert seen == [False]
+    finally:
+        hook.remove()
