@@ -60,12 +60,21 @@ def hf_padded_generate(model, prompts: list[list[int]], max_new: int, pad_id: in
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    # EOS ignored: ``eos_token_id=None`` would be filled in from the model's generation config
+    # (transformers fills unset fields), so the batch would stop once every row had ended; an
+    # id past the vocabulary is never generated
+    never = model.get_output_embeddings().weight.shape[0]
+    config = GenerationConfig(
+        max_new_tokens=max_new, do_sample=False, eos_token_id=never, pad_token_id=pad_id
+    )
     with hf_attention(model):
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         seconds = time.perf_counter() - start
-    return Run("hf_generate", out[:, width:].tolist(), seconds)
+    tokens = out[:, width:].tolist()
+    if any(len(t) != max_new for t in tokens):
+        raise RuntimeError(f"transformers generated {len(tokens[0])} tokens per row, not {max_new}")
+    return Run("hf_generate", tokens, seconds)
 
 
 def has_continuous_batching(model) -> bool:
