@@ -462,3 +462,38 @@ def test_linears_run_through_onednn_inside_engine_steps_only(model, make_engine,
         assert seen == [False]
     finally:
         hook.remove()
+
+
+@pytest.mark.smollm2
+def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2):
+    """The engine's default path on the real model (oneDNN linears, the batch's arena, packed
+    prefill): four sessions decoding together produce the tokens each produces alone."""
+    from worker_svc.codec import HFChatCodec
+
+    model, tokenizer = smollm2
+    engine = Engine(model, HFChatCodec(tokenizer), EngineConfig(kv_pool_bytes=1 << 30, prefill_chunk=64))
+    assert engine.config.onednn_linears
+    policies = ["full", "full", "confkv:n_high=96,n_low=48,p=16", "confkv:n_high=96,n_low=64,int8=1,w=32"]
+    prompts = [
+        "What is the capital of France?",
+        "Name three colours of the rainbow, then say why the sky is blue.",
+        "Summarise in one line: it is a truth universally acknowledged, that a single man in possession "
+        "of a good fortune, must be in want of a wife.",
+        "Write a short poem about the sea.",
+    ]
+
+    def run(together: bool, tag: str) -> list[list[int]]:
+        handles = []
+        for i, (policy, prompt) in enumerate(zip(policies, prompts, strict=True)):
+            engine.open_session(f"{tag}{i}", policy, [])
+            request = TurnRequest(f"{tag}{i}", user(prompt), max_new_tokens=20, ignore_eos=True)
+            handles.append(engine.submit(request))
+            if not together:
+                engine.run_until_idle()
+        engine.run_until_idle()
+        return [[e.token_id for e in events_of(h)[0]] for h in handles]
+
+    alone_tokens = run(False, "a")
+    batched = run(True, "b")
+    assert all(len(t) == 20 for t in batched)
+    assert batched == alone_tokens
