@@ -34,6 +34,12 @@ def add_parser(sub) -> None:
         help="under KV-pool pressure release idle recall=1 sessions instead of demoting their hot "
         "cache to the cold tier (the next turn then re-reads the conversation)",
     )
+    p.add_argument(
+        "--torch-linears",
+        dest="onednn_linears",
+        action="store_false",
+        help="run the model's linears through PyTorch's F.linear on the CPU instead of oneDNN",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="model dtype")
     p.add_argument("--policy", default="confkv", help="default policy spec for sessions that give none")
@@ -89,6 +95,7 @@ def run(args) -> int:
         max_batch_size=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         default_max_new_tokens=args.max_new_tokens, default_policy=args.policy,
         worker_id=args.worker_id or f"{args.host}:{args.port}", demote_idle=args.demote_idle,
+        onednn_linears=args.onednn_linears,
     )  # fmt: skip
     if args.max_context:
         config["max_context_tokens"] = args.max_context

@@ -32,3 +32,24 @@ def test_parse_bytes_rejects(text):
 def test_worker_usage_errors_exit_2(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, onednn", [([], True), (["--torch-linears"], False)])
+def test_worker_linears_flag_reaches_the_engine_config(argv, onednn, monkeypatch):
+    """``--torch-linears`` turns ``EngineConfig.onednn_linears`` off (no model is loaded: the
+    engine factory is replaced and stops the command once it has the config)."""
+    import worker_svc.app as app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_create_engine(model, pool, **config):
+        seen.update(config)
+        raise Stop
+
+    monkeypatch.setattr(app, "create_engine", fake_create_engine)
+    with pytest.raises(Stop):
+        main(["worker", "--port", "0", *argv])
+    assert seen["onednn_linears"] is onednn
