@@ -17,6 +17,7 @@ rounding only (``tests/confkv/test_linear.py``).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,8 +29,9 @@ from torch import nn
 _LOCAL = threading.local()
 
 
+@functools.cache
 def supported() -> bool:
-    """This PyTorch build has oneDNN and its linear op."""
+    """This PyTorch build has oneDNN and its linear op (checked once per process)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
