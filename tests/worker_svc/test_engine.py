@@ -473,7 +473,12 @@ def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, HFChatCodec(tokenizer), EngineConfig(kv_pool_bytes=1 << 30, prefill_chunk=64))
     assert engine.config.onednn_linears
-    policies = ["full", "full", "confkv:n_high=96,n_low=48,p=16", "confkv:n_high=96,n_low=64,int8=1,w=32"]
+    policies = [
+        "full",
+        "full",
+        "confkv:n_high=96,n_low=48,p=16",
+        "confkv:n_high=96,n_low=64,p=16,int8=1,w=32",
+    ]
     prompts = [
         "What is the capital of France?",
         "Name three colours of the rainbow, then say why the sky is blue.",
