@@ -26,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_LOCAL = threading.local()
+
+class _Switch(threading.local):
+    on = False  # every thread starts with PyTorch's path
+
+
+_LOCAL = _Switch()
 
 
 @functools.cache
@@ -42,7 +47,7 @@ def supported() -> bool:
 
 
 def active() -> bool:
-    return getattr(_LOCAL, "on", False)
+    return _LOCAL.on
 
 
 @contextmanager
@@ -63,7 +68,7 @@ class OneDNNLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (
-            getattr(_LOCAL, "on", False)
+            _LOCAL.on
             and input.dtype is torch.float32
             and weight.dtype is torch.float32
             and input.device.type == "cpu"

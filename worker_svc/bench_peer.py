@@ -73,7 +73,8 @@ def hf_padded_generate(model, prompts: list[list[int]], max_new: int, pad_id: in
         seconds = time.perf_counter() - start
     tokens = out[:, width:].tolist()
     if any(len(t) != max_new for t in tokens):
-        raise RuntimeError(f"transformers generated {len(tokens[0])} tokens per row, not {max_new}")
+        lengths = sorted({len(t) for t in tokens})
+        raise RuntimeError(f"transformers generated {lengths} tokens per row, not {max_new}")
     return Run("hf_generate", tokens, seconds)
 
 
