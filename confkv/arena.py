@@ -20,10 +20,14 @@ anywhere stay the live slots (``LayerStore.nbytes``); the arena is capacity, lik
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from confkv.evict_rows import evict_rows
+from confkv.policies import CachePolicy
 from confkv.sequence import SequenceCache
 
 _HEADROOM = 64  # slots past the longest member at build time (full caches grow one per step)
@@ -43,6 +47,7 @@ class DecodeArena:
         self.uniform, self.decay = _way(seqs)
         # no member evicts, demotes or recalls (``full``): a step has nothing to settle
         self.inert = all(s._inert for s in seqs)
+        self.by_rows = [s.evicts_by_rows for s in seqs]  # may evict together (``make_room``)
         self.fresh = -1  # the layer whose batch append the next ``attend`` reads (-1: none)
         self._memos: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.layers: list[dict[str, torch.Tensor]] = []
@@ -74,6 +79,30 @@ class DecodeArena:
                     store.fp.own()
 
     # -- the batched step ------------------------------------------------------------------------------
+    def make_room(self, layer: int, incoming: int) -> None:
+        """Every member's ``before_append(layer, incoming)``: members that evict by rows
+        (``SequenceCache.evicts_by_rows``) and must evict now do so together, one call per
+        policy (``confkv.evict_rows``); the others, and a lone evicting member, on their own."""
+        groups: dict[CachePolicy, list[int]] = {}
+        keeps: dict[int, int] = {}
+        together = _SWITCH.rows
+        for row, seq in enumerate(self.seqs):
+            if seq._inert:
+                continue
+            store = seq.stores[layer]
+            if not (together and self.by_rows[row]) or store.fp.home is not self:
+                seq.before_append(layer, incoming)
+            elif (keep := seq.eviction_target(layer, incoming, seq.policy.slack)) is not None:
+                if len(store) > keep:
+                    groups.setdefault(seq.policy, []).append(row)
+                    keeps[row] = keep
+        for rows in groups.values():
+            if len(rows) == 1:
+                self.seqs[rows[0]].evict_to(layer, keeps[rows[0]])
+            else:
+                members = [self.seqs[r] for r in rows]
+                evict_rows(self.layers[layer], members, rows, [keeps[r] for r in rows], layer)
+
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """key/value (B, Hkv, 1, D): member b's token goes to its next free slot (``holds(layer,
         1)`` must be true); each member counts it (``LayerStore.appended``, then its bytes), and
@@ -134,6 +163,26 @@ class DecodeArena:
 
 
 _LOCAL = threading.local()
+
+
+class _Switch(threading.local):
+    rows = True  # members evict together (``DecodeArena.make_room``)
+
+
+_SWITCH = _Switch()
+
+
+@contextmanager
+def evict_by_rows(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, on this thread, a decode batch's members evict together (``enabled``,
+    the default) or each on its own (the reference a benchmark compares against; the same
+    tokens either way). The previous setting comes back after."""
+    before = _SWITCH.rows
+    _SWITCH.rows = enabled
+    try:
+        yield
+    finally:
+        _SWITCH.rows = before
 
 
 def _way(seqs: list[SequenceCache]) -> tuple[bool, float | None]:

@@ -113,11 +113,10 @@ def _attend_arena(arena: DecodeArena | None, seqs: list[SequenceCache], layer: i
     if arena is None or not arena.uniform or arena.fresh != layer or arena.seqs != seqs:
         return None
     arena.fresh = -1  # this layer's batch append (``ConfKVCache.store``) is read once
-    out = arena.attend(layer, q[:, :, 0], scaling, arena.decay)
-    if not arena.inert:
-        for seq in seqs:
-            seq.settle(layer)
-    return out.unsqueeze(2)
+    # No settle: uniform members are FP only without a recall tier, so settle would only
+    # ``_fit`` the layer, which ``make_room`` did before the append (a budget holds at least
+    # the protected tokens plus one, so the new token always fits).
+    return arena.attend(layer, q[:, :, 0], scaling, arena.decay).unsqueeze(2)
 
 
 def _attend_decode_batch(

@@ -113,9 +113,11 @@ class ConfKVCache(Cache):
         if layer_idx == 0:  # once per forward: the batch's arena, while it decodes together
             self.arena = arena_for(self.seqs) if m == 1 and len(self.seqs) > 1 else None
         arena = self.arena if m == 1 else None
-        if arena is None or not arena.inert:  # inert members have nothing to evict or demote
+        if arena is None:
             for seq in self.seqs:
                 seq.before_append(layer_idx, m)
+        elif not arena.inert:  # inert members have nothing to evict or demote
+            arena.make_room(layer_idx, m)
         if arena is not None:
             if arena.holds(layer_idx, room=1):
                 arena.append(layer_idx, key_states, value_states)

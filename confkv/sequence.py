@@ -161,10 +161,29 @@ class SequenceCache:
         else:
             store.keep(mask)
         evicted = n - len(store)
+        self.count_evicted(layer, evicted)
+        return evicted
+
+    def count_evicted(self, layer: int, evicted: int) -> None:
+        """Count ``evicted`` tokens that left ``layer`` (here, or for a whole decode batch at
+        once by ``confkv.evict_rows``), then its bytes."""
         self.stats.evicted_tokens += evicted
         self._evicted_this_step += evicted
         self._refresh_bytes(layer)
-        return evicted
+
+    @property
+    def evicts_by_rows(self) -> bool:
+        """Whether a decode batch may evict this sequence's layers together with others'
+        (``confkv.evict_rows``): FP only, no recall tier, a policy that scores rows."""
+        return self.policy.evicts and self.policy.scores_rows and not self.policy.int8 and self.tier is None
+
+    def eviction_target(self, layer: int, incoming: int = 0, slack: int = 0) -> int | None:
+        """The tokens ``_fit`` first evicts ``layer`` down to (>= 0), or None when the layer
+        holds at most its hot budget once ``incoming`` tokens arrive."""
+        budget = self.hot_budget(layer)
+        if len(self.stores[layer]) + incoming <= budget:
+            return None
+        return max(budget - incoming - slack, 0)
 
     def before_append(self, layer: int, incoming: int) -> None:
         """Make room so that the layer holds at most its budget, and at most ``w`` FP tokens
@@ -179,8 +198,8 @@ class SequenceCache:
         With recall, evicted tokens may open cold pages whose summaries take hot slots, so the
         budget can shrink while evicting: repeat until it holds (converges in a few rounds)."""
         store = self.stores[layer]
-        if len(store) + incoming > self.hot_budget(layer):
-            self.evict_to(layer, self.hot_budget(layer) - incoming - slack)
+        if (keep := self.eviction_target(layer, incoming, slack)) is not None:
+            self.evict_to(layer, keep)
         while self.tier is not None and len(store) + incoming > self.hot_budget(layer):
             if self.evict_to(layer, self.hot_budget(layer) - incoming) == 0:
                 break

@@ -6,7 +6,9 @@
         curve, optionally long context (``--long``), and time to first token of a session that
         arrives while 8 others decode. Writes ``reports/worker.json`` and ``reports/worker.md``.
         The engine runs the model's linears through oneDNN (``confkv.linear``); ``--plain-linears``
-        adds each engine policy again with PyTorch's ``F.linear``, the path transformers takes.
+        adds each engine policy again with PyTorch's ``F.linear``, the path transformers takes;
+        ``--evict-per-sequence`` adds each evicting policy again with the members of a decode batch
+        evicting one by one instead of together (``confkv.evict_rows``).
     python -m worker_svc.bench --batches 1,4,8
         continuous batching vs the same sessions one after another (``reports/worker_batching.*``).
 
@@ -38,6 +40,8 @@ from worker_svc.types import ChatMessage, EngineConfig, TokenEvent, TurnDone, Tu
 CORPUS = sample_text("prideprejudice")  # shipped excerpt; --corpus FILE for another text
 DEFAULT_POLICIES = "confkv:n_high=96,n_low=48,p=16;full"
 DECODE_POLICIES = ("full", "confkv:n_high=96,n_low=84,p=16,slack=16")
+# slack=0 (the default): once at its budget every member evicts at every layer of every step
+EVERY_STEP = "confkv:n_high=96,n_low=84,p=16"
 LONG_POLICIES = ("confkv:int8=1",)
 
 
@@ -51,7 +55,7 @@ class Workload:
 
 
 WORKLOADS = {
-    "decode": Workload("decode", 8, 200, 64, DECODE_POLICIES),
+    "decode": Workload("decode", 8, 200, 64, (*DECODE_POLICIES, EVERY_STEP)),
     "b16": Workload("b16", 16, 200, 64, DECODE_POLICIES),
     "b32": Workload("b32", 32, 200, 64, DECODE_POLICIES),
     "long": Workload("long", 4, 17_000, 128, LONG_POLICIES),
@@ -165,7 +169,12 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
         kv_pool_bytes=1 << 36, max_batch_size=wl.batch, prefill_chunk=chunk, max_context_tokens=8192
     )
     engine = Engine(model, codec, config)
-    plain = Engine(model, codec, replace(config, onednn_linears=False)) if args.plain_linears else None
+    variants = []  # the same engine with one speed-up off, to measure what it adds
+    if args.plain_linears:  # PyTorch's linears (what oneDNN adds)
+        variants.append((" (F.linear)", Engine(model, codec, replace(config, onednn_linears=False)), False))
+    if args.evict_per_sequence:  # each member evicts on its own (what batched eviction adds)
+        per_seq = Engine(model, codec, replace(config, evict_by_rows=False))
+        variants.append((" (per-sequence eviction)", per_seq, True))
     runs: dict[str, list[bench_peer.Run]] = {}
     for rep in range(args.repeats):
         systems = [("hf_generate", lambda: bench_peer.hf_padded_generate(model, ids, wl.max_new, pad_id))]
@@ -180,9 +189,11 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
             systems.append((f"engine {policy}", functools.partial(
                 bench_peer.engine_run, engine, policy, texts, wl.max_new, f"r{rep}"
             )))  # fmt: skip
-            if plain is not None:  # the same engine with PyTorch's linears (what oneDNN adds)
-                systems.append((f"engine {policy} (F.linear)", functools.partial(
-                    bench_peer.engine_run, plain, policy, texts, wl.max_new, f"p{rep}"
+            for i, (suffix, other, evicting_only) in enumerate(variants):
+                if evicting_only and policy == "full":
+                    continue
+                systems.append((f"engine {policy}{suffix}", functools.partial(
+                    bench_peer.engine_run, other, policy, texts, wl.max_new, f"v{i}r{rep}"
                 )))  # fmt: skip
         for name, go in systems:
             run = go()
@@ -300,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
         "--plain-linears",
         action="store_true",
         help="with --peer: each engine policy again with PyTorch's F.linear (onednn_linears off)",
+    )
+    parser.add_argument(
+        "--evict-per-sequence",
+        action="store_true",
+        help="with --peer: each evicting engine policy again with per-sequence eviction (evict_by_rows off)",
     )
     parser.add_argument(
         "--policies", default=DEFAULT_POLICIES, help="';'-separated policy specs (sequential mode)"

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from confkv.arena import release_arena
+from confkv.arena import evict_by_rows, release_arena
 from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import forward, next_prefill_chunk, prompt_end_forward, sample
@@ -236,7 +236,7 @@ class Engine:
         packs = self.config.packed_prefill
         packed = [t for t in prefilling if packs and _seq(t).tier is None]  # recall: prompt-end probe
         alone = [t for t in prefilling if not (packs and _seq(t).tier is None)]
-        with onednn_linears(self.config.onednn_linears):
+        with onednn_linears(self.config.onednn_linears), evict_by_rows(self.config.evict_by_rows):
             for turn in alone:
                 self._isolated(turn, self._prefill_chunk)
             if packed:

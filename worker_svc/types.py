@@ -65,6 +65,9 @@ class EngineConfig:
     # the model's linears through oneDNN inside the engine's steps on the CPU (``confkv.linear``;
     # False: PyTorch's ``F.linear``, the path transformers' ``generate`` takes)
     onednn_linears: bool = True
+    # a decode batch's members that must evict at a layer do so in one call (``confkv.evict_rows``;
+    # False: each on its own, the reference the benchmark compares against; the same tokens)
+    evict_by_rows: bool = True
 
     def __post_init__(self) -> None:
         positive = (

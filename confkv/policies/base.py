@@ -51,6 +51,9 @@ class CachePolicy:
     name: ClassVar[str] = "base"
     evicts: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = False
+    # ``score`` works on rows of several sequences (``TokenStats.valid``), each bit for bit as
+    # alone, so a decode batch evicts in one call per layer (``confkv.evict_rows``)
+    scores_rows: ClassVar[bool] = True
     # keys whose default differs when a spec says recall=1 (``parse_policy`` applies them)
     RECALL_DEFAULTS: ClassVar[dict[str, object]] = {}
 

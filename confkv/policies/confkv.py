@@ -49,27 +49,38 @@ class ConfKVPolicy(GatedPolicy):
 
     def score(self, stats: TokenStats) -> torch.Tensor:
         score = self.alpha * self._attention(stats) + (1 - self.alpha) * stats.recency()
-        return score if self.pool == 1 else _pooled(score, stats.positions, self.pool)
+        return score if self.pool == 1 else _pooled(score, stats.positions, self.pool, stats.valid)
 
     def _attention(self, stats: TokenStats) -> torch.Tensor:
         ema = stats.ema
         if self.norm == "rank":
-            n = ema.shape[0]
-            ranks = torch.empty(n, dtype=torch.float32, device=ema.device)
-            ranks[ema.argsort()] = torch.arange(n, dtype=torch.float32, device=ema.device)
-            return ranks / max(n - 1, 1)
+            n = ema.shape[-1]
+            order = (ema if stats.valid is None else ema.masked_fill(~stats.valid, -float("inf"))).argsort(
+                dim=-1, stable=True
+            )
+            slots = torch.arange(n, dtype=torch.float32, device=ema.device).expand_as(ema)
+            ranks = torch.empty_like(ema, dtype=torch.float32).scatter_(-1, order, slots)
+            live = stats.live()
+            if stats.valid is not None:  # padding ranked first: a row's live slots rank from 0
+                ranks = ranks - (n - live)
+            return ranks / (live - 1).clamp_min(1)
+        top = stats.row_max(ema)
         if self.norm == "free":
             free = ~protected_mask(stats.positions, stats.now - self.protected, self.s)
-            if bool(free.any()):
-                return ema / ema[free].max().clamp_min(1e-12)
-        return ema / ema.max().clamp_min(1e-12)
+            if stats.valid is not None:
+                free &= stats.valid
+            top = torch.where(free.any(-1, keepdim=True), stats.row_max(ema, where=free), top)
+        return ema / top.clamp_min(1e-12)
 
 
-def _pooled(score: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """(n,) each token's max score over the ``k`` kept tokens centred on it in position order."""
-    order = positions.argsort()
-    ranked = score[order].view(1, 1, -1)
-    pooled = torch.nn.functional.max_pool1d(ranked, k, stride=1, padding=k // 2).view(-1)
-    out = torch.empty_like(score)
-    out[order] = pooled
-    return out
+def _pooled(score: torch.Tensor, positions: torch.Tensor, k: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """(..., n) each token's max score over the ``k`` kept tokens centred on it in position
+    order (padding past a row's live slots sorts last and never wins)."""
+    if valid is not None:
+        positions = positions.masked_fill(~valid, torch.iinfo(positions.dtype).max)
+        score = score.masked_fill(~valid, -float("inf"))
+    order = positions.argsort(dim=-1)
+    ranked = score.gather(-1, order)
+    rows = ranked.reshape(-1, 1, ranked.shape[-1])
+    pooled = torch.nn.functional.max_pool1d(rows, k, stride=1, padding=k // 2).view_as(ranked)
+    return torch.empty_like(score).scatter_(-1, order, pooled)

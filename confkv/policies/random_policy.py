@@ -14,6 +14,7 @@ from confkv.policies.select import TokenStats
 @dataclass(frozen=True)
 class RandomPolicy(GatedPolicy):
     name: ClassVar[str] = "random"
+    scores_rows: ClassVar[bool] = False  # one draw from each sequence's own generator
     seed: int = 0
 
     def score(self, stats: TokenStats) -> torch.Tensor:

@@ -153,3 +153,47 @@ def test_no_arena_when_padding_would_double_the_slots(model):
     assert arena_for([_prefilled(model, "full", 5)]) is None  # one sequence: nothing to batch
     similar = [_prefilled(model, "full", n) for n in (100, 120)]
     assert arena_for(similar) is not None
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [
+        ["h2o:n=20"] * 4,
+        ["confkv:n_high=24,n_low=16,p=4,s=2,norm=rank,pool=3"] * 3,
+        ["window:n=20", "h2o:n=22", "window:n=20", "h2o:n=22", "full"],  # two groups and an inert member
+    ],
+)
+def test_members_evicting_together_match_each_alone_slot_for_slot(model, policies, monkeypatch):
+    """With slack 0 every member at its budget evicts at every layer of every step, in one
+    ``evict_rows`` call per policy: each ends with exactly the slots (positions, keys, order)
+    and counts it has alone, and with ``evict_by_rows(False)`` the batch takes the same path as
+    alone."""
+    import confkv.arena as arena_mod
+
+    calls: list[int] = []
+    real = arena_mod.evict_rows
+    monkeypatch.setattr(
+        arena_mod, "evict_rows", lambda t, seqs, *a: calls.append(len(seqs)) or real(t, seqs, *a)
+    )
+    lengths = [18 + 4 * i for i in range(len(policies))]
+    tokens = torch.randint(1, 90, (len(policies), 10), generator=torch.Generator().manual_seed(5))
+    batch = [_prefilled(model, p, n) for p, n in zip(policies, lengths, strict=True)]
+    got = _decode(model, batch, tokens)
+    assert calls and max(calls) >= 2
+    release_arena()
+    calls.clear()
+    with arena_mod.evict_by_rows(False):
+        one_by_one = [_prefilled(model, p, n) for p, n in zip(policies, lengths, strict=True)]
+        assert torch.equal(_decode(model, one_by_one, tokens), got)
+    assert not calls
+    for b, policy in enumerate(policies):
+        seq = _prefilled(model, policy, lengths[b])
+        want = _decode(model, [seq], tokens[b : b + 1])[:, 0]
+        torch.testing.assert_close(got[:, b], want, atol=2e-5, rtol=2e-5)
+        for mine, other, theirs in zip(batch[b].stores, one_by_one[b].stores, seq.stores, strict=True):
+            assert torch.equal(mine.meta("pos"), theirs.meta("pos"))
+            assert torch.equal(mine.meta("pos"), other.meta("pos"))
+            assert torch.equal(mine.fp.view("k"), other.fp.view("k"))
+        assert batch[b].stats.evicted_tokens == seq.stats.evicted_tokens
+        assert batch[b].stats.evictions_per_step == seq.stats.evictions_per_step
+        assert batch[b].nbytes() == seq.nbytes()

@@ -9,6 +9,8 @@ from confkv.budgets import GatedBudget, pyramid_split
 from confkv.confidence import ConfidenceWeights, confidence
 from confkv.memory import KVGeometry
 from confkv.policies import MATCHED_RATE, POLICIES, TokenStats, parse_policy, select_keep
+from confkv.policies.confkv import NORMS
+from confkv.policies.select import select_rows
 from confkv.sequence import SequenceCache
 
 DEFAULT_SPECS = [
@@ -184,3 +186,65 @@ def test_confkv_pool_keeps_the_span_around_a_heavy_hitter():
     for bad in ("pool=0", "pool=2"):
         with pytest.raises(ValueError, match="pool"):
             parse_policy(f"confkv:{bad}")
+
+
+ROW_SPECS = [
+    "window:n=16",
+    "sinks:n=16,s=2",
+    "h2o:n=16",
+    "recency:n_high=16,n_low=12,p=3,s=2",
+    "attention:n_high=16,n_low=12,p=3,s=2",
+    *(f"confkv:n_high=16,n_low=12,p=3,s=2,norm={norm},pool={pool}" for norm in NORMS for pool in (1, 3, 5)),
+]
+
+
+def _rows(lengths: list[int], seed: int):
+    """Padded (R, N) statistics of ``lengths`` live slots each (positions shuffled, EMA with ties,
+    garbage past the live slots) and each row alone as (n,) statistics."""
+    g = torch.Generator().manual_seed(seed)
+    r, n = len(lengths), max(lengths)
+    pos = torch.randint(0, 999, (r, n), generator=g)
+    ema = torch.randint(0, 4, (r, n), generator=g).float() / 4  # many exact ties
+    cum = torch.rand(r, n, generator=g)
+    valid = torch.arange(n) < torch.tensor(lengths).unsqueeze(1)
+    now = []
+    for b, m in enumerate(lengths):
+        pos[b, :m] = torch.randperm(m, generator=g) * 3 + b
+        now.append(int(pos[b, :m].max()) + 1)
+    rows = TokenStats(pos, ema, cum, torch.tensor(now).unsqueeze(1), None, valid)
+    alone = [TokenStats(pos[b, :m], ema[b, :m], cum[b, :m], now[b]) for b, m in enumerate(lengths)]
+    return rows, alone
+
+
+@pytest.mark.parametrize("spec", ROW_SPECS)
+def test_scores_over_rows_equal_each_row_alone_bit_for_bit(spec):
+    """``CachePolicy.score`` on rows of several sequences (``confkv.evict_rows``) gives each row
+    exactly its scores alone: every reduction is per row and over the live slots only."""
+    policy = parse_policy(spec)
+    assert policy.scores_rows
+    for lengths in ([9, 14, 14, 5], [11, 11]):
+        rows, alone = _rows(lengths, seed=len(lengths))
+        got = policy.score(rows)
+        for b, stats in enumerate(alone):
+            assert torch.equal(got[b, : lengths[b]], policy.score(stats)), (spec, b)
+
+
+def test_random_policy_does_not_score_rows():
+    assert not parse_policy("random:n_high=16,n_low=12,p=3").scores_rows
+
+
+def test_select_rows_equals_select_keep_per_row_ties_included():
+    """One tie rule (score descending, then slot) alone and in a batch: equal scores keep the
+    earlier slot; protected tokens are always kept; padding never is."""
+    lengths, keeps = [12, 7, 12, 3], [5, 2, 9, 3]
+    rows, alone = _rows(lengths, seed=7)
+    scores = torch.randint(0, 3, rows.positions.shape, generator=torch.Generator().manual_seed(1)).float()
+    protect_from = rows.now - 4
+    mask = select_rows(scores, rows.positions, torch.tensor(keeps), protect_from, 2, rows.valid)
+    assert not mask[~rows.valid].any()
+    for b, stats in enumerate(alone):
+        m = lengths[b]
+        want = select_keep(scores[b, :m], stats.positions, keeps[b], stats.now - 4, 2)
+        assert torch.equal(mask[b, :m], want), b
+    first = select_keep(torch.zeros(6), torch.arange(10, 16), keep=3, protect_from=99, sinks=0)
+    assert first.tolist() == [True, True, True, False, False, False]

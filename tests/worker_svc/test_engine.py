@@ -502,3 +502,37 @@ def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2):
     batched = run(True, "b")
     assert all(len(t) == 20 for t in batched)
     assert batched == alone_tokens
+
+
+@pytest.mark.parametrize("policy", ["h2o:n=24,recent=6", "confkv:n_high=28,n_low=20,p=4,s=2,pyramid=1"])
+def test_a_batch_evicting_together_equals_each_member_alone(model, make_engine, monkeypatch, policy):
+    """``EngineConfig.evict_by_rows``: members at their budget evict at every layer of every step
+    (slack 0), in one call per layer (``confkv.evict_rows``), and produce the tokens each produces
+    alone; with the option off they evict one by one, with the same tokens."""
+    import confkv.arena
+
+    calls: list[int] = []
+    real = confkv.arena.evict_rows
+    monkeypatch.setattr(
+        confkv.arena, "evict_rows", lambda t, seqs, *a: calls.append(len(seqs)) or real(t, seqs, *a)
+    )
+    prompts = [PROMPTS[0], PROMPTS[2], LONG[:90], "What do you know about the sea and its tides?"]
+    results = {}
+    for together in (True, False):
+        calls.clear()
+        engine = make_engine(evict_by_rows=together)
+        handles = []
+        for i, prompt in enumerate(prompts):
+            engine.open_session(f"r{i}", policy, [])
+            handles.append(
+                engine.submit(TurnRequest(f"r{i}", user(prompt), max_new_tokens=16, ignore_eos=True))
+            )
+        engine.run_until_idle()
+        results[together] = [[e.token_id for e in events_of(h)[0]] for h in handles]
+        assert (max(calls, default=0) >= 2) is together  # rows of several members in one call
+    assert results[True] == results[False]
+    for prompt, got in zip(prompts, results[True], strict=True):
+        codec = ByteChatCodec()
+        ids = torch.tensor([codec.encode_chat(user(prompt))])
+        want = generate(model, ConfKVCache.for_model(model, policy), ids, 16, set(), chunk_size=16).tokens
+        assert got == want
