@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from confkv.policies import CachePolicy, TokenStats
-from confkv.policies.select import select_rows
+from confkv.policies.select import one_out_rows, select_rows
 from confkv.sequence import SequenceCache
 
 _ZEROED = ("ema", "cum", "pin")
@@ -44,8 +44,15 @@ def evict_rows(
     now = torch.tensor([st.next_pos for st in stores]).unsqueeze(1)
     stats = TokenStats(meta["pos"], meta["ema"], meta["cum"], now, None, valid)
     scores = policy.score(stats)
-    mask = select_rows(scores, meta["pos"], torch.tensor(keeps), now - policy.protected, policy.s, valid)
-    kept = _compact(tensors, index, mask, valid)
+    keep, protect_from = torch.tensor(keeps), now - policy.protected
+    victims = one_out_rows(scores, meta["pos"], keep, protect_from, policy.s, valid)
+    if victims is not None:  # one token out of every row: it takes the row's last slot
+        _move(tensors, index, victims, length - 1)
+        _zero_stats(tensors, index, length - 1)
+        kept = [m - 1 for m in lengths]
+    else:
+        mask = select_rows(scores, meta["pos"], keep, protect_from, policy.s, valid)
+        kept = _compact(tensors, index, mask, valid)
     for seq, store, before, after in zip(seqs, stores, lengths, kept, strict=True):
         store.fp.n = after
         seq.count_evicted(layer, before - after)
@@ -56,32 +63,42 @@ def _compact(
 ) -> list[int]:
     """Keep each row's slots where ``mask`` (R, N); -> the new live counts. Row r's holes below
     its new count take, in order, its kept slots at or above it; the freed slots' statistics
-    are zeroed. Every copy is one ``index_select``/``index_copy_`` on a flat view of a tensor
-    (the arena's tensors are contiguous: row b, head h, slot c is flat row (b*H + h)*cap + c)."""
+    are zeroed."""
     n = mask.shape[1]
-    cap = tensors["pos"].shape[1]
     new_n = mask.sum(1)
     cut = torch.arange(n) >= new_n.unsqueeze(1)  # (R, N) at or past the new count
     hole_r, hole_c = (~mask & ~cut).nonzero(as_tuple=True)
     _, src_c = (mask & cut).nonzero(as_tuple=True)  # row-major: pairs with the holes row by row
     if hole_c.numel():
-        row = index[hole_r] * cap
-        dst, src = row + hole_c, row + src_c  # flat slots of (B, cap) metadata
-        heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for tensor in tensors.values():
-            if tensor.dim() == 2:
-                flat, to, frm = tensor.view(-1), dst, src
-            else:  # (B, Hkv, cap, D) keys and values
-                h = tensor.shape[1]
-                if h not in heads:
-                    shift = (index[hole_r] * ((h - 1) * cap)).unsqueeze(1) + torch.arange(h) * cap
-                    heads[h] = ((dst.unsqueeze(1) + shift).view(-1), (src.unsqueeze(1) + shift).view(-1))
-                flat, (to, frm) = tensor.view(-1, tensor.shape[3]), heads[h]
-            flat.index_copy_(0, to, flat.index_select(0, frm))
-    freed = cut if valid is None else cut & valid
-    free_r, free_c = freed.nonzero(as_tuple=True)
+        _move(tensors, index[hole_r], hole_c, src_c)
+    free_r, free_c = (cut if valid is None else cut & valid).nonzero(as_tuple=True)
     if free_c.numel():
-        slots = index[free_r] * cap + free_c
-        for name in _ZEROED:
-            tensors[name].view(-1).index_fill_(0, slots, 0)
+        _zero_stats(tensors, index[free_r], free_c)
     return new_n.tolist()
+
+
+def _move(tensors: dict[str, torch.Tensor], rows: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Slot ``src[i]`` of arena row ``rows[i]`` to its slot ``dst[i]``, in every tensor: one
+    ``index_select``/``index_copy_`` on a flat view each (the arena's tensors are contiguous:
+    row b, head h, slot c is flat row (b*H + h)*cap + c)."""
+    cap = tensors["pos"].shape[1]
+    base = rows * cap
+    to, frm = base + dst, base + src  # flat slots of (B, cap) metadata
+    heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for tensor in tensors.values():
+        if tensor.dim() == 2:
+            flat, t, f = tensor.view(-1), to, frm
+        else:  # (B, Hkv, cap, D) keys and values
+            h = tensor.shape[1]
+            if h not in heads:
+                shift = (base * (h - 1)).unsqueeze(1) + torch.arange(h) * cap
+                heads[h] = ((to.unsqueeze(1) + shift).view(-1), (frm.unsqueeze(1) + shift).view(-1))
+            flat, (t, f) = tensor.view(-1, tensor.shape[3]), heads[h]
+        flat.index_copy_(0, t, flat.index_select(0, f))
+
+
+def _zero_stats(tensors: dict[str, torch.Tensor], rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Zero the statistics of freed ``slots`` (one per entry of ``rows``), as ``_Part._shrink`` does."""
+    flat = rows * tensors["pos"].shape[1] + slots
+    for name in _ZEROED:
+        tensors[name].view(-1).index_fill_(0, flat, 0)

@@ -100,6 +100,36 @@ def select_rows(
     tokens of a row are its first k in the order (score descending, slot ascending), with k =
     max(keep, protected), at most the live slots: one stable sort, so ties break the same way
     in a batch as alone."""
+    ranked, k, _ = _ranked(scores, positions, keep, protect_from, sinks, valid)
+    order = ranked.argsort(dim=1, descending=True, stable=True)
+    ranks = torch.arange(positions.shape[1], device=positions.device)
+    mask = torch.empty_like(ranked, dtype=torch.bool)
+    return mask.scatter_(1, order, ranks < k.unsqueeze(1))
+
+
+def one_out_rows(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    keep: torch.Tensor,
+    protect_from: torch.Tensor,
+    sinks: int,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The steady state of a batch at its budgets (slack 0: one token in, one out): when
+    ``select_rows`` would drop exactly one slot of every row, that slot per row (R,), found
+    without a sort: the last in ``select_rows``' order, the lowest score and of equal lowest
+    scores the highest slot. None when some row drops another number."""
+    ranked, k, live = _ranked(scores, positions, keep, protect_from, sinks, valid)
+    if not bool((live - k == 1).all()):
+        return None
+    if valid is not None:  # padding must never be the lowest
+        ranked = ranked.masked_fill(~valid, _INF)
+    return (ranked.shape[1] - 1) - ranked.flip(1).argmin(1)  # argmin: the first of equal minima
+
+
+def _ranked(scores, positions, keep, protect_from, sinks, valid):
+    """-> (ranked (R, N): scores with protected slots +inf and padding -inf, k (R,) slots kept,
+    live slots (R,) or N)."""
     protected = protected_mask(positions, protect_from, sinks)
     if valid is not None:
         protected &= valid
@@ -107,8 +137,5 @@ def select_rows(
     live = positions.shape[1] if valid is None else valid.sum(1)
     if valid is not None:
         ranked = ranked.masked_fill(~valid, -_INF)
-    k = torch.clamp(torch.maximum(keep, protected.sum(1)), max=live)  # (R,)
-    order = ranked.argsort(dim=1, descending=True, stable=True)
-    ranks = torch.arange(positions.shape[1], device=positions.device)
-    mask = torch.empty_like(protected)
-    return mask.scatter_(1, order, ranks < k.unsqueeze(1))
+    k = torch.clamp(torch.maximum(keep, protected.sum(1)), max=live)
+    return ranked, k, live

@@ -10,7 +10,7 @@ from confkv.confidence import ConfidenceWeights, confidence
 from confkv.memory import KVGeometry
 from confkv.policies import MATCHED_RATE, POLICIES, TokenStats, parse_policy, select_keep
 from confkv.policies.confkv import NORMS
-from confkv.policies.select import select_rows
+from confkv.policies.select import one_out_rows, select_rows
 from confkv.sequence import SequenceCache
 
 DEFAULT_SPECS = [
@@ -248,3 +248,26 @@ def test_select_rows_equals_select_keep_per_row_ties_included():
         assert torch.equal(mask[b, :m], want), b
     first = select_keep(torch.zeros(6), torch.arange(10, 16), keep=3, protect_from=99, sinks=0)
     assert first.tolist() == [True, True, True, False, False, False]
+
+
+def test_one_out_rows_is_the_slot_select_rows_drops():
+    """The slack-0 steady state (one slot out of every row) without a sort: the same slot as
+    ``select_rows`` drops, ties, protected slots and padding included; None otherwise."""
+    lengths = [12, 7, 12, 4]
+    rows, _ = _rows(lengths, seed=11)
+    g = torch.Generator().manual_seed(2)
+    for trial in range(20):
+        scores = torch.randint(0, 3, rows.positions.shape, generator=g).float()
+        keeps = torch.tensor(lengths) - 1
+        protect_from = rows.now - 3
+        args = (scores, rows.positions, keeps, protect_from, 2, rows.valid)
+        victims = one_out_rows(*args)
+        mask = select_rows(*args)
+        assert victims is not None
+        assert torch.equal((~mask & rows.valid).nonzero()[:, 1], victims), trial
+    assert one_out_rows(scores, rows.positions, keeps - 1, protect_from, 2, rows.valid) is None
+    # a row whose unprotected slots are all needed drops none: not the one-out state
+    assert (
+        one_out_rows(scores, rows.positions, keeps, rows.positions.min() + 0 * rows.now, 2, rows.valid)
+        is None
+    )
