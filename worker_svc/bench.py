@@ -211,12 +211,24 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
             "generated_tokens": rs[0].generated,
             "peak_kv_bytes": max(r.peak_kv_bytes for r in rs),
             "same_tokens_as_hf_generate": _same(rs[0].tokens, reference),
+            # median of each run's median full-batch decode step (engine systems; prefill excluded)
+            "step_ms_median": (
+                statistics.median(1000 * statistics.median(r.full_batch_steps) for r in rs)
+                if all(r.full_batch_steps for r in rs)
+                else None
+            ),
         }
         for name, rs in runs.items()
     }
     base = systems_out["hf_generate"]["tokens_per_s_median"]
     for out in systems_out.values():
         out["vs_hf_generate"] = out["tokens_per_s_median"] / base
+    full = systems_out.get("engine full", {})
+    for name, out in systems_out.items():  # engine policies against engine full, run for run
+        if name.startswith("engine ") and full:
+            out["vs_engine_full"] = out["tokens_per_s_median"] / full["tokens_per_s_median"]
+            if out["step_ms_median"] and full["step_ms_median"]:
+                out["step_vs_engine_full"] = full["step_ms_median"] / out["step_ms_median"]
     prompt_tokens = [len(i) for i in ids]
     return {**asdict(wl), "prompt_tokens_mean": sum(prompt_tokens) / len(ids), "systems": systems_out}
 
@@ -262,8 +274,9 @@ def peer_markdown(report: dict) -> str:
         f"Medians of {report['repeats']} interleaved runs. Load average at start {report['loadavg_start']}, "
         f"at end {report['loadavg_end']}. Command: `{report['command']}`",
         "",
-        "| workload | system | tok/s (median) | vs HF `generate` | runs | same tokens as HF `generate` |",
-        "|---|---|---|---|---|---|",
+        "| workload | system | tok/s (median) | vs HF `generate` | vs engine `full` | decode step ms "
+        "(median; vs `full`) | runs | same tokens as HF `generate` |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for wl in report["workloads"]:
         label = (
@@ -271,9 +284,16 @@ def peer_markdown(report: dict) -> str:
             f"{wl['max_new']} new"
         )
         for name, s in wl["systems"].items():
+            vs_full = f"{s['vs_engine_full']:.3f}x" if "vs_engine_full" in s else ""
+            step = (
+                f"{s['step_ms_median']:.1f}"
+                + (f"; {s['step_vs_engine_full']:.3f}x" if "step_vs_engine_full" in s else "")
+                if s.get("step_ms_median")
+                else ""
+            )
             lines.append(
                 f"| {label} | `{name}` | {s['tokens_per_s_median']:.2f} | {s['vs_hf_generate']:.2f}x | "
-                f"{', '.join(f'{x:.1f}' for x in s['tokens_per_s_runs'])} | "
+                f"{vs_full} | {step} | {', '.join(f'{x:.1f}' for x in s['tokens_per_s_runs'])} | "
                 f"{s['same_tokens_as_hf_generate']:.0%} |"
             )
     if report.get("ttft"):

@@ -12,7 +12,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,8 @@ class Run:
     tokens: list[list[int]]
     seconds: float
     peak_kv_bytes: int = 0
+    # the engine's steps that decoded every sequence of the workload (prefill done): seconds each
+    full_batch_steps: list[float] = field(default_factory=list)
 
     @property
     def generated(self) -> int:
@@ -109,9 +111,12 @@ def hf_continuous_batching(model, prompts: list[list[int]], max_new: int, chunk:
 def engine_run(engine: Engine, policy: str, texts: list[str], max_new: int, tag: str) -> Run:
     """All ``texts`` submitted at once as new sessions, stepped until every turn is done."""
     peak = [0]
+    steps: list[float] = []
 
     def on_step(stats) -> None:
         peak[0] = max(peak[0], stats.used_bytes)
+        if stats.batch_size == stats.tokens == len(texts):
+            steps.append(stats.seconds)
 
     engine.on_step = on_step
     ids = [f"{tag}-{i}" for i in range(len(texts))]
@@ -133,7 +138,7 @@ def engine_run(engine: Engine, policy: str, texts: list[str], max_new: int, tag:
     for sid in ids:
         engine.drop(sid)
     engine.on_step = None
-    return Run(f"engine {policy}", tokens, seconds, peak[0])
+    return Run(f"engine {policy}", tokens, seconds, peak[0], steps)
 
 
 @dataclass(frozen=True)
