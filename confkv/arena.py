@@ -50,13 +50,15 @@ class DecodeArena:
         self.by_rows = [s.evicts_by_rows for s in seqs]  # may evict together (``make_room``)
         self.fresh = -1  # the layer whose batch append the next ``attend`` reads (-1: none)
         self._memos: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for layer in range(len(seqs[0].stores)):
-            parts = [s.stores[layer].fp for s in seqs]
-            tensors = parts[0]._blank(cap, rows=(b,))
-            for row, part in enumerate(parts):
-                part.move_to({name: t[row] for name, t in tensors.items()}, home=self)
-            self.layers.append(tensors)
+        n_layers = len(seqs[0].stores)
+        # one tensor per field for all layers, (L, B, ...): layer l's (B, ...) is a view, and
+        # ``flat`` views it as L*B rows (row l*B + b), so one ``evict_rows`` call spans layers
+        every = seqs[0].stores[0].fp._blank(cap, rows=(n_layers, b))
+        self.flat = {name: t.view(n_layers * b, *t.shape[2:]) for name, t in every.items()}
+        self.layers = [{name: t[layer] for name, t in every.items()} for layer in range(n_layers)]
+        for layer, tensors in enumerate(self.layers):
+            for row, seq in enumerate(seqs):
+                seq.stores[layer].fp.move_to({name: t[row] for name, t in tensors.items()}, home=self)
 
     def serves(self, seqs: list[SequenceCache]) -> bool:
         """The same members in the same order, none of them moved out."""
@@ -80,28 +82,41 @@ class DecodeArena:
 
     # -- the batched step ------------------------------------------------------------------------------
     def make_room(self, layer: int, incoming: int) -> None:
-        """Every member's ``before_append(layer, incoming)``: members that evict by rows
-        (``SequenceCache.evicts_by_rows``) and must evict now do so together, one call per
-        policy (``confkv.evict_rows``); the others, and a lone evicting member, on their own."""
-        groups: dict[CachePolicy, list[int]] = {}
-        keeps: dict[int, int] = {}
+        """Every member's ``before_append(layer, incoming)``. Members that evict by rows
+        (``SequenceCache.evicts_by_rows``) make room in all their layers at once when the step
+        begins (``layer`` 0), in one ``evict_rows`` call per policy: a layer's eviction reads
+        only that layer's statistics, which the step's earlier layers do not touch, so each
+        layer ends as its own ``before_append`` would leave it. The other members (and a
+        policy with one row to evict) make room on their own, layer by layer."""
         together = _SWITCH.rows
+        if together and layer == 0:
+            self._make_room_by_rows(incoming)
         for row, seq in enumerate(self.seqs):
-            if seq._inert:
+            if seq._inert or (together and self.by_rows[row] and seq.stores[layer].fp.home is self):
+                continue  # nothing to do, or done when the step began
+            seq.before_append(layer, incoming)
+
+    def _make_room_by_rows(self, incoming: int) -> None:
+        b = len(self.seqs)
+        # per policy: flat rows (layer * B + member), members, layers, tokens to keep
+        groups: dict[CachePolicy, tuple[list[int], list[SequenceCache], list[int], list[int]]] = {}
+        for row, seq in enumerate(self.seqs):
+            if seq._inert or not self.by_rows[row]:
                 continue
-            store = seq.stores[layer]
-            if not (together and self.by_rows[row]) or store.fp.home is not self:
-                seq.before_append(layer, incoming)
-            elif (keep := seq.eviction_target(layer, incoming, seq.policy.slack)) is not None:
-                if len(store) > keep:
-                    groups.setdefault(seq.policy, []).append(row)
-                    keeps[row] = keep
-        for rows in groups.values():
+            slack = seq.policy.slack
+            for layer, store in enumerate(seq.stores):
+                keep = seq.eviction_target(layer, incoming, slack) if store.fp.home is self else None
+                if keep is not None and len(store) > keep:
+                    rows, members, layers, keeps = groups.setdefault(seq.policy, ([], [], [], []))
+                    rows.append(layer * b + row)
+                    members.append(seq)
+                    layers.append(layer)
+                    keeps.append(keep)
+        for rows, members, layers, keeps in groups.values():
             if len(rows) == 1:
-                self.seqs[rows[0]].evict_to(layer, keeps[rows[0]])
+                members[0].evict_to(layers[0], keeps[0])
             else:
-                members = [self.seqs[r] for r in rows]
-                evict_rows(self.layers[layer], members, rows, [keeps[r] for r in rows], layer)
+                evict_rows(self.flat, members, rows, keeps, layers)
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """key/value (B, Hkv, 1, D): member b's token goes to its next free slot (``holds(layer,

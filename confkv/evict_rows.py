@@ -1,12 +1,14 @@
-"""Eviction of a decode batch in one call per layer (the CPU batched step).
+"""Eviction of a decode batch in one call per step (the CPU batched step).
 
-The members of a ``confkv.arena.DecodeArena`` that must evict at a layer in the same step (with
-``slack=0`` every member at its budget does, every step) are scored by their policy over rows
-(``CachePolicy.score`` on (R, N) statistics with a ``valid`` mask), selected by one
-``select_rows`` and compacted together: a few tensor ops per layer instead of a score, a
-selection and a compaction per member.
+When a step begins, every (member, layer) of a ``confkv.arena.DecodeArena`` that must evict
+before its new token arrives (with ``slack=0`` every layer of every member at its budget does,
+every step; with slack, all 30 layers of a member at once) is a row: the rows are scored by
+their policy (``CachePolicy.score`` on (R, N) statistics with a ``valid`` mask), selected by one
+``select_rows`` (or, in the one-in-one-out steady state, ``one_out_rows``) and compacted
+together: a few tensor ops per step instead of a score, a selection and a compaction per member
+and layer.
 
-Each member ends bit for bit where ``SequenceCache.evict_to`` leaves it alone: the same scores
+Each row ends bit for bit where ``SequenceCache.evict_to`` leaves it alone: the same scores
 (every reduction is per row, over live slots), the same kept set (one tie rule, a stable sort)
 and the same slot layout (holes below the new count filled, in order, from the kept slots above
 it, as ``_Part.keep`` does); the freed slots' statistics are zeroed like ``_Part._shrink``'s.
@@ -24,19 +26,23 @@ _ZEROED = ("ema", "cum", "pin")
 
 
 def evict_rows(
-    tensors: dict[str, torch.Tensor], seqs: list[SequenceCache], rows: list[int], keeps: list[int], layer: int
+    tensors: dict[str, torch.Tensor],
+    seqs: list[SequenceCache],
+    rows: list[int],
+    keeps: list[int],
+    layers: list[int],
 ) -> None:
-    """Evict ``seqs[i]`` (the member in row ``rows[i]`` of the arena layer ``tensors``: k, v
-    (B, Hkv, cap, D), pos, ema, cum, pin (B, cap)) down to ``keeps[i]`` tokens of ``layer``.
-    All members share one policy; each is FP only (``SequenceCache.evicts_by_rows``)."""
+    """Evict layer ``layers[i]`` of ``seqs[i]`` (row ``rows[i]`` of the arena tensors: k, v
+    (R, Hkv, cap, D), pos, ema, cum, pin (R, cap), contiguous) down to ``keeps[i]`` tokens. All
+    rows share one policy; each is FP only (``SequenceCache.evicts_by_rows``)."""
     policy: CachePolicy = seqs[0].policy
-    stores = [s.stores[layer] for s in seqs]
+    stores = [s.stores[layer] for s, layer in zip(seqs, layers, strict=True)]
     lengths = [st.fp.n for st in stores]
     n = max(lengths)
     index = torch.tensor(rows)
     length = torch.tensor(lengths)
     valid = None if min(lengths) == n else torch.arange(n) < length.unsqueeze(1)
-    every = rows == list(range(tensors["pos"].shape[0]))  # the whole batch: read rows in place
+    every = rows == list(range(tensors["pos"].shape[0]))  # every row: read them in place
     meta = {
         name: tensors[name].narrow(1, 0, n) if every else tensors[name][index, :n]
         for name in ("pos", "ema", "cum")
@@ -53,7 +59,7 @@ def evict_rows(
     else:
         mask = select_rows(scores, meta["pos"], keep, protect_from, policy.s, valid)
         kept = _compact(tensors, index, mask, valid)
-    for seq, store, before, after in zip(seqs, stores, lengths, kept, strict=True):
+    for seq, layer, store, before, after in zip(seqs, layers, stores, lengths, kept, strict=True):
         store.fp.n = after
         seq.count_evicted(layer, before - after)
 

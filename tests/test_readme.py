@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def test_newcomer_path_from_a_fresh_copy(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # the shell's child too is stopped below, never left behind
     )
     try:
         deadline = time.monotonic() + 180
@@ -95,7 +97,11 @@ def test_newcomer_path_from_a_fresh_copy(tmp_path):
             assert done.returncode == 0, f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
             assert "Traceback" not in done.stderr, command
     finally:
-        server.terminate()
-        server.wait(30)
+        os.killpg(server.pid, signal.SIGTERM)  # the shell and the ``confkv serve`` it started
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
     for out in ("ppl.json", "ppl.md", "ppl.png", "locust.json", "trace.json"):
         assert (clone / out).is_file(), out

@@ -161,11 +161,12 @@ def test_no_arena_when_padding_would_double_the_slots(model):
         ["h2o:n=20"] * 4,
         ["confkv:n_high=24,n_low=16,p=4,s=2,norm=rank,pool=3"] * 3,
         ["window:n=20", "h2o:n=22", "window:n=20", "h2o:n=22", "full"],  # two groups and an inert member
+        ["confkv:n_high=24,n_low=16,p=4,s=2,slack=3"] * 3,  # slack: a member's layers evict together
     ],
 )
 def test_members_evicting_together_match_each_alone_slot_for_slot(model, policies, monkeypatch):
     """With slack 0 every member at its budget evicts at every layer of every step, in one
-    ``evict_rows`` call per policy: each ends with exactly the slots (positions, keys, order)
+    ``evict_rows`` call per policy and step: each ends with exactly the slots (positions, keys, order)
     and counts it has alone, and with ``evict_by_rows(False)`` the batch takes the same path as
     alone."""
     import confkv.arena as arena_mod
