@@ -6,8 +6,10 @@ tensor, and row b is member b's ``_Part`` storage (a view, so every per-sequence
 eviction, demotion, recall, the one-sequence path, works on it unchanged). A batched step then
 appends the B new tokens with one indexed write per field (``append``) and attends over
 ``k[:, :, :N]`` without gathering anything, folding the EMA of received attention in three
-ops (``attend``). Slots past a member's live ones are masked; their statistics stay zero
-because the mass a masked slot receives is exactly zero.
+ops (``attend``). When a step begins, every member and layer that must evict does so in one
+call (``make_room``, ``confkv.evict_rows``): the fields of all layers are one (L, B, ...)
+tensor each, so (layer, member) pairs are rows of it. Slots past a member's live ones are
+masked; their statistics stay zero because the mass a masked slot receives is exactly zero.
 
 Membership is by identity and order. ``arena_for`` rebuilds the arena when the batch changes or
 a member outgrew it (``_Part.reserve`` moved that part to tensors of its own); members that leave

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from confkv.data import sample_corpus, sample_text
-from worker_svc import bench_peer
+from worker_svc import bench_lockstep, bench_peer
 from worker_svc.engine import Engine
 from worker_svc.types import ChatMessage, EngineConfig, TokenEvent, TurnDone, TurnRequest
 
@@ -230,7 +230,48 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
             if out["step_ms_median"] and full["step_ms_median"]:
                 out["step_vs_engine_full"] = full["step_ms_median"] / out["step_ms_median"]
     prompt_tokens = [len(i) for i in ids]
-    return {**asdict(wl), "prompt_tokens_mean": sum(prompt_tokens) / len(ids), "systems": systems_out}
+    out = {**asdict(wl), "prompt_tokens_mean": sum(prompt_tokens) / len(ids), "systems": systems_out}
+    if args.lockstep:
+        engines = [bench_lockstep.System("engine full", engine, "full")]
+        for policy in wl.policies:
+            if policy != "full":
+                engines.append(bench_lockstep.System(f"engine {policy}", engine, policy))
+                for suffix, other, _ in variants:
+                    engines.append(bench_lockstep.System(f"engine {policy}{suffix}", other, policy))
+        out["lockstep"] = lockstep_systems(engines, texts, wl.max_new, args.repeats)
+    return out
+
+
+def lockstep_systems(systems, texts: list[str], max_new: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """``bench_lockstep``: the engine systems taking turns step by step, ``repeats`` times; per
+    system the medians over repeats of its median step and of its per-step speed against
+    engine ``full``. Systems that share an engine object get an engine each (its own sessions)."""
+    seen: set[int] = set()
+    own = []
+    for system in systems:  # one Engine per thread: sessions and arenas never shared
+        engine = system.engine
+        if id(engine) in seen:
+            engine = Engine(engine.model, engine.codec, engine.config)
+        seen.add(id(engine))
+        own.append(bench_lockstep.System(system.name, engine, system.policy))
+    per_rep = []
+    for rep in range(repeats):
+        steps = bench_lockstep.lockstep(own, texts, max_new, f"ls{rep}")
+        per_rep.append(bench_lockstep.ratios(steps, "engine full"))
+        print(
+            f"lockstep rep {rep}: "
+            + ", ".join(f"{n} {r['speed_vs_reference']:.3f}x" for n, r in per_rep[-1].items()),
+            file=sys.stderr,
+        )
+    return {
+        name: {
+            "step_ms_median": statistics.median(r[name]["step_ms_median"] for r in per_rep),
+            "speed_vs_engine_full_median": statistics.median(r[name]["speed_vs_reference"] for r in per_rep),
+            "speed_vs_engine_full_runs": [round(r[name]["speed_vs_reference"], 4) for r in per_rep],
+            "steps_per_run": per_rep[0][name]["steps"],
+        }
+        for name in per_rep[0]
+    }
 
 
 def ttft_workload(model, codec, args) -> dict:
@@ -296,6 +337,22 @@ def peer_markdown(report: dict) -> str:
                 f"{vs_full} | {step} | {', '.join(f'{x:.1f}' for x in s['tokens_per_s_runs'])} | "
                 f"{s['same_tokens_as_hf_generate']:.0%} |"
             )
+    for wl in report["workloads"]:
+        if wl.get("lockstep"):
+            lines += [
+                "",
+                f"Engines in lockstep ({wl['name']}: each system in a thread of its own, one engine step per "
+                "turn, round robin, so step k of every system ran within a few hundred ms of the others'; "
+                "speed = median over k of engine `full`'s step k / the system's step k, median of the runs):",
+                "",
+                "| system | decode step ms (median) | speed vs engine `full` | runs |",
+                "|---|---|---|---|",
+            ]
+            for name, r in wl["lockstep"].items():
+                lines.append(
+                    f"| `{name}` | {r['step_ms_median']:.1f} | {r['speed_vs_engine_full_median']:.3f}x | "
+                    f"{', '.join(f'{x:.3f}' for x in r['speed_vs_engine_full_runs'])} |"
+                )
     if report.get("ttft"):
         lines += [
             "",
@@ -336,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         "--evict-per-sequence",
         action="store_true",
         help="with --peer: each evicting engine policy again with per-sequence eviction (evict_by_rows off)",
+    )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="with --peer: also run the engine systems in lockstep (bench_lockstep: step-time ratios)",
     )
     parser.add_argument(
         "--policies", default=DEFAULT_POLICIES, help="';'-separated policy specs (sequential mode)"
