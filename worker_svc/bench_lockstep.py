@@ -30,8 +30,7 @@ def lockstep(systems: list[System], texts: list[str], max_new: int, tag: str) ->
     step per turn, round robin. -> per system, the seconds of each step that decoded every
     sequence (prefill done), in order."""
     steps: dict[str, list[float]] = {s.name: [] for s in systems}
-    turn = threading.Condition()
-    state = {"next": 0, "live": list(range(len(systems)))}
+    turn = _Round(len(systems))
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
@@ -55,30 +54,18 @@ def lockstep(systems: list[System], texts: list[str], max_new: int, tag: str) ->
                 handles.append(engine.submit(request))
             busy = True
             while busy:
-                with turn:
-                    turn.wait_for(lambda: state["live"][state["next"]] == i)
+                turn.wait(i)
                 try:
                     busy = engine.step()
                 finally:
-                    with turn:
-                        live = state["live"]
-                        at = live.index(i)
-                        if not busy:
-                            live.remove(i)
-                        state["next"] = (at + (1 if busy else 0)) % len(live) if live else 0
-                        turn.notify_all()
+                    turn.passed(i, stays=busy)
             for handle in handles:
                 last = list(handle)[-1]
                 if not isinstance(last, TurnDone):
                     raise RuntimeError(f"a benchmark turn failed: {last}")
         except BaseException as err:  # reported by the caller; the other threads go on
             errors.append(err)
-            with turn:
-                if i in state["live"]:
-                    at = state["live"].index(i)
-                    state["live"].remove(i)
-                    state["next"] = at % len(state["live"]) if state["live"] else 0
-                turn.notify_all()
+            turn.leave(i)
         finally:
             for sid in ids:
                 if sid in engine.sessions:
@@ -93,6 +80,35 @@ def lockstep(systems: list[System], texts: list[str], max_new: int, tag: str) ->
     if errors:
         raise errors[0]
     return steps
+
+
+class _Round:
+    """Whose turn it is: the systems still stepping, in order, and the one that steps next."""
+
+    def __init__(self, n: int):
+        self.live = list(range(n))
+        self.at = 0
+        self.cond = threading.Condition()
+
+    def wait(self, i: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.live[self.at] == i)
+
+    def passed(self, i: int, stays: bool) -> None:
+        """``i`` took its step: the next system's turn (``i`` leaves the round unless it ``stays``)."""
+        with self.cond:
+            at = self.live.index(i)
+            if stays:
+                self.at = (at + 1) % len(self.live)
+            else:
+                self.live.remove(i)
+                self.at = at % len(self.live) if self.live else 0
+            self.cond.notify_all()
+
+    def leave(self, i: int) -> None:
+        with self.cond:
+            if i in self.live:
+                self.passed(i, stays=False)  # the condition's lock is reentrant
 
 
 def ratios(steps: dict[str, list[float]], reference: str) -> dict[str, dict[str, float]]:
