@@ -465,7 +465,7 @@ def test_linears_run_through_onednn_inside_engine_steps_only(model, make_engine,
 
 
 @pytest.mark.smollm2
-def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2):
+def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2, monkeypatch):
     """The engine's default path on the real model (oneDNN linears, the batch's arena, packed
     prefill): four sessions decoding together produce the tokens each produces alone."""
     from worker_svc.codec import HFChatCodec
@@ -473,10 +473,10 @@ def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, HFChatCodec(tokenizer), EngineConfig(kv_pool_bytes=1 << 30, prefill_chunk=64))
     assert engine.config.onednn_linears
-    policies = [
+    policies = [  # the two confkv members evict at every step once at their budget, together
         "full",
-        "full",
-        "confkv:n_high=96,n_low=48,p=16",
+        "confkv:n_high=40,n_low=32,p=8",
+        "confkv:n_high=40,n_low=32,p=8",
         "confkv:n_high=96,n_low=64,p=16,int8=1,w=32",
     ]
     prompts = [
@@ -498,16 +498,24 @@ def test_smollm2_batched_turns_equal_each_alone_with_onednn_linears(smollm2):
         engine.run_until_idle()
         return [[e.token_id for e in events_of(h)[0]] for h in handles]
 
+    import confkv.arena
+
+    rows: list[int] = []
+    real = confkv.arena.evict_rows
+    monkeypatch.setattr(
+        confkv.arena, "evict_rows", lambda t, s, r, *a: rows.append(len(r)) or real(t, s, r, *a)
+    )
     alone_tokens = run(False, "a")
     batched = run(True, "b")
     assert all(len(t) == 20 for t in batched)
     assert batched == alone_tokens
+    assert rows and max(rows) == 2 * 30  # both confkv members, all 30 layers, in one call
 
 
 @pytest.mark.parametrize("policy", ["h2o:n=24,recent=6", "confkv:n_high=28,n_low=20,p=4,s=2,pyramid=1"])
 def test_a_batch_evicting_together_equals_each_member_alone(model, make_engine, monkeypatch, policy):
     """``EngineConfig.evict_by_rows``: members at their budget evict at every layer of every step
-    (slack 0), in one call per layer (``confkv.evict_rows``), and produce the tokens each produces
+    (slack 0), in one call per step (``confkv.evict_rows``), and produce the tokens each produces
     alone; with the option off they evict one by one, with the same tokens."""
     import confkv.arena
 
