@@ -8,7 +8,9 @@
         The engine runs the model's linears through oneDNN (``confkv.linear``); ``--plain-linears``
         adds each engine policy again with PyTorch's ``F.linear``, the path transformers takes;
         ``--evict-per-sequence`` adds each evicting policy again with the members of a decode batch
-        evicting one by one instead of together (``confkv.evict_rows``).
+        evicting one by one instead of together (``confkv.evict_rows``); ``--lockstep`` also runs
+        the engine systems taking turns step by step (``bench_lockstep``), whose per-step ratios
+        against engine ``full`` a noisy machine cannot skew.
     python -m worker_svc.bench --batches 1,4,8
         continuous batching vs the same sessions one after another (``reports/worker_batching.*``).
 
