@@ -4,7 +4,7 @@ When a step begins, every (member, layer) of a ``confkv.arena.DecodeArena`` that
 before its new token arrives (with ``slack=0`` every layer of every member at its budget does,
 every step; with slack, all 30 layers of a member at once) is a row: the rows are scored by
 their policy (``CachePolicy.score`` on (R, N) statistics with a ``valid`` mask), selected by one
-``select_rows`` (or, in the one-in-one-out steady state, ``one_out_rows``) and compacted
+``kept_mask`` (or, in the one-in-one-out steady state, ``one_out``) and compacted
 together: a few tensor ops per step instead of a score, a selection and a compaction per member
 and layer.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from confkv.policies import CachePolicy, TokenStats
-from confkv.policies.select import one_out_rows, select_rows
+from confkv.policies.select import kept_mask, one_out, rank_rows
 from confkv.sequence import SequenceCache
 
 _ZEROED = ("ema", "cum", "pin")
@@ -50,15 +50,14 @@ def evict_rows(
     now = torch.tensor([st.next_pos for st in stores]).unsqueeze(1)
     stats = TokenStats(meta["pos"], meta["ema"], meta["cum"], now, None, valid)
     scores = policy.score(stats)
-    keep, protect_from = torch.tensor(keeps), now - policy.protected
-    victims = one_out_rows(scores, meta["pos"], keep, protect_from, policy.s, valid)
+    ranked = rank_rows(scores, meta["pos"], torch.tensor(keeps), now - policy.protected, policy.s, valid)
+    victims = one_out(ranked)
     if victims is not None:  # one token out of every row: it takes the row's last slot
         _move(tensors, index, victims, length - 1)
         _zero_stats(tensors, index, length - 1)
         kept = [m - 1 for m in lengths]
     else:
-        mask = select_rows(scores, meta["pos"], keep, protect_from, policy.s, valid)
-        kept = _compact(tensors, index, mask, valid)
+        kept = _compact(tensors, index, kept_mask(ranked), valid)
     for seq, layer, store, before, after in zip(seqs, layers, stores, lengths, kept, strict=True):
         store.fp.n = after
         seq.count_evicted(layer, before - after)

@@ -71,65 +71,42 @@ def select_keep(
 
     Protected: positions >= ``protect_from`` (the recent window P) and positions < ``sinks``.
     If more tokens are protected than ``keep``, all protected tokens are kept. Equal scores
-    keep the earlier slot (``select_rows``, the rule a batch shares).
+    keep the earlier slot (``kept_mask``, the rule a batch shares).
     """
     n = scores.shape[0]
     if n <= keep:
         return torch.ones(n, dtype=torch.bool, device=scores.device)
     device = scores.device
-    rows = select_rows(
-        scores[None],
-        positions[None],
-        torch.tensor([keep], device=device),
-        torch.tensor([[protect_from]], device=device),
-        sinks,
+    keeps = torch.tensor([keep], device=device)
+    ranked = rank_rows(
+        scores[None], positions[None], keeps, torch.tensor([[protect_from]], device=device), sinks
     )
-    return rows[0]
+    return kept_mask(ranked)[0]
 
 
-def select_rows(
+@dataclass
+class Ranked:
+    """R rows ranked for eviction (``rank_rows``): ``scores`` (R, N) with protected slots +inf
+    and padding -inf, ``keep`` (R,) slots each row keeps, ``live`` (R,) live slots per row (N
+    when all are), ``valid`` (R, N) the live slots or None."""
+
+    scores: torch.Tensor
+    keep: torch.Tensor
+    live: torch.Tensor | int
+    valid: torch.Tensor | None
+
+
+def rank_rows(
     scores: torch.Tensor,
     positions: torch.Tensor,
     keep: torch.Tensor,
     protect_from: torch.Tensor,
     sinks: int,
     valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``select_keep`` for R rows at once: scores, positions (R, N), keep (R,), protect_from
-    (R, 1), valid (R, N) or None -> mask (R, N), False past each row's live slots. The kept
-    tokens of a row are its first k in the order (score descending, slot ascending), with k =
-    max(keep, protected), at most the live slots: one stable sort, so ties break the same way
-    in a batch as alone."""
-    ranked, k, _ = _ranked(scores, positions, keep, protect_from, sinks, valid)
-    order = ranked.argsort(dim=1, descending=True, stable=True)
-    ranks = torch.arange(positions.shape[1], device=positions.device)
-    mask = torch.empty_like(ranked, dtype=torch.bool)
-    return mask.scatter_(1, order, ranks < k.unsqueeze(1))
-
-
-def one_out_rows(
-    scores: torch.Tensor,
-    positions: torch.Tensor,
-    keep: torch.Tensor,
-    protect_from: torch.Tensor,
-    sinks: int,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """The steady state of a batch at its budgets (slack 0: one token in, one out): when
-    ``select_rows`` would drop exactly one slot of every row, that slot per row (R,), found
-    without a sort: the last in ``select_rows``' order, the lowest score and of equal lowest
-    scores the highest slot. None when some row drops another number."""
-    ranked, k, live = _ranked(scores, positions, keep, protect_from, sinks, valid)
-    if not bool((live - k == 1).all()):
-        return None
-    if valid is not None:  # padding must never be the lowest
-        ranked = ranked.masked_fill(~valid, _INF)
-    return (ranked.shape[1] - 1) - ranked.flip(1).argmin(1)  # argmin: the first of equal minima
-
-
-def _ranked(scores, positions, keep, protect_from, sinks, valid):
-    """-> (ranked (R, N): scores with protected slots +inf and padding -inf, k (R,) slots kept,
-    live slots (R,) or N)."""
+) -> Ranked:
+    """``select_keep``'s ranking for R rows at once: scores, positions (R, N), keep (R,),
+    protect_from (R, 1), valid (R, N) or None. A row keeps k = max(keep, protected) slots, at
+    most its live ones."""
     protected = protected_mask(positions, protect_from, sinks)
     if valid is not None:
         protected &= valid
@@ -138,4 +115,25 @@ def _ranked(scores, positions, keep, protect_from, sinks, valid):
     if valid is not None:
         ranked = ranked.masked_fill(~valid, -_INF)
     k = torch.clamp(torch.maximum(keep, protected.sum(1)), max=live)
-    return ranked, k, live
+    return Ranked(ranked, k, live, valid)
+
+
+def kept_mask(r: Ranked) -> torch.Tensor:
+    """(R, N) the slots each row keeps, False past its live ones: its first k in the order
+    (score descending, slot ascending), by one stable sort, so ties break the same way in a
+    batch as alone."""
+    order = r.scores.argsort(dim=1, descending=True, stable=True)
+    ranks = torch.arange(r.scores.shape[1], device=r.scores.device)
+    mask = torch.empty_like(r.scores, dtype=torch.bool)
+    return mask.scatter_(1, order, ranks < r.keep.unsqueeze(1))
+
+
+def one_out(r: Ranked) -> torch.Tensor | None:
+    """The steady state of a batch at its budgets (slack 0: one token in, one out): when
+    ``kept_mask`` would drop exactly one slot of every row, that slot per row (R,), found
+    without a sort: the last in ``kept_mask``'s order, the lowest score and of equal lowest
+    scores the highest slot. None when some row drops another number."""
+    if not bool((r.live - r.keep == 1).all()):
+        return None
+    ranked = r.scores if r.valid is None else r.scores.masked_fill(~r.valid, _INF)  # padding never lowest
+    return (ranked.shape[1] - 1) - ranked.flip(1).argmin(1)  # argmin: the first of equal minima

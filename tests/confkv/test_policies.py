@@ -10,7 +10,7 @@ from confkv.confidence import ConfidenceWeights, confidence
 from confkv.memory import KVGeometry
 from confkv.policies import MATCHED_RATE, POLICIES, TokenStats, parse_policy, select_keep
 from confkv.policies.confkv import NORMS
-from confkv.policies.select import one_out_rows, select_rows
+from confkv.policies.select import kept_mask, one_out, rank_rows
 from confkv.sequence import SequenceCache
 
 DEFAULT_SPECS = [
@@ -231,6 +231,14 @@ def test_scores_over_rows_equal_each_row_alone_bit_for_bit(spec):
 
 def test_random_policy_does_not_score_rows():
     assert not parse_policy("random:n_high=16,n_low=12,p=3").scores_rows
+
+
+def select_rows(*args) -> torch.Tensor:
+    return kept_mask(rank_rows(*args))
+
+
+def one_out_rows(*args) -> torch.Tensor | None:
+    return one_out(rank_rows(*args))
 
 
 def test_select_rows_equals_select_keep_per_row_ties_included():
