@@ -4,7 +4,10 @@
 
 Writes reports/decode_speed.json and reports/decode_speed.md. Each repeat runs every policy's
 ``steps`` decode steps in turn (interleaved, so machine noise hits all alike); tokens/s is the
-median over repeats. ``hf-sdpa`` is the unmodified model with HF's DynamicCache and SDPA.
+median over repeats. ``--block K`` interleaves finer: the policies take turns K steps at a time
+within a repeat (``--block 1``: step by step, so a slow phase of a shared machine lasting a few
+seconds hits every policy alike). ``hf-sdpa`` is the unmodified model with HF's DynamicCache
+and SDPA.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class _ConfKVRunner:
             self.logits = decode_one_token(self.model, self.cache, sample(self.logits))
 
 
-def run(contexts, specs, steps, repeats, text_file) -> dict:
+def run(contexts, specs, steps, repeats, text_file, block: int = 0) -> dict:
     model, tok = load_model("smollm2")
     text = Path(text_file).read_text(encoding="utf-8")
     all_ids = tok(text[: 12 * max(contexts)], return_tensors="pt").input_ids
@@ -73,11 +76,17 @@ def run(contexts, specs, steps, repeats, text_file) -> dict:
         times: dict[str, list[float]] = {name: [] for name in runners}
         for r in runners.values():  # warm-up step, not timed
             r.steps(1)
+        block = block if 0 < block < steps else steps
         for _ in range(repeats):
-            for name, r in runners.items():
-                start = time.perf_counter()
-                r.steps(steps)
-                times[name].append(steps / (time.perf_counter() - start))
+            spent = dict.fromkeys(runners, 0.0)
+            for done in range(0, steps, block):  # the policies take turns, ``block`` steps each
+                n = min(block, steps - done)
+                for name, r in runners.items():
+                    start = time.perf_counter()
+                    r.steps(n)
+                    spent[name] += time.perf_counter() - start
+            for name in runners:
+                times[name].append(steps / spent[name])
         row: dict[str, dict] = {
             name: {"tokens_per_s": statistics.median(v), "runs": v} for name, v in times.items()
         }
@@ -131,13 +140,16 @@ def main(argv=None) -> int:
     )
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--block", type=int, default=0, help="steps per turn within a repeat (0: all of them)")
     p.add_argument("--text-file", default=str(CORPUS))
     p.add_argument("--out", type=Path, default=Path("reports"))
     p.add_argument("--name", default="decode_speed", help="report file stem under --out")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     specs = [s for s in args.policies.split(";") if s]
-    results = run(contexts, specs, args.steps, args.repeats, args.text_file)
+    if args.block < 0:
+        p.error("--block must be >= 0")
+    results = run(contexts, specs, args.steps, args.repeats, args.text_file, args.block)
     write_reports(results, specs, args.out, argv, args.name)
     return 0
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -54,3 +56,21 @@ def test_smollm2_confkv_int8_answers_and_stays_in_budget(smollm2):
     assert "paris" in tok.decode(result.tokens).lower()
     assert max(max(row["tokens_per_layer"]) for row in result.trace) <= 64
     assert all(0.0 <= row["confidence"] <= 1.0 for row in result.trace)
+
+
+@pytest.mark.smollm2
+def test_bench_decode_interleaves_step_by_step(tmp_path):
+    """``python -m confkv.bench_decode --block 1``: every policy and HF's path decode the same
+    number of steps, in turns of one step, and the report names each with its tokens/s."""
+    from confkv import bench_decode
+
+    argv = ["--contexts", "96", "--steps", "4", "--repeats", "2", "--block", "1", "--out", str(tmp_path)]
+    argv += ["--policies", "full;confkv:n_high=64,n_low=48,p=8", "--name", "t"]
+    assert bench_decode.main(argv) == 0
+    report = json.loads((tmp_path / "t.json").read_text())
+    row = report["results"]["96"]
+    assert set(row) == {"hf-sdpa", "full", "confkv:n_high=64,n_low=48,p=8"}
+    assert all(len(v["runs"]) == 2 and v["tokens_per_s"] > 0 for v in row.values())
+    assert "--block 1" in report["command"]
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--block", "-1"])
