@@ -45,8 +45,11 @@ def ended(session_id: str, request_id: str) -> NotFound:
 
 
 def new_session_id() -> str:
-    """128 random bits, URL-safe: unguessable, and scoped to its owner anyway."""
-    return secrets.token_urlsafe(16)
+    """128 random bits, URL-safe: unguessable, and scoped to its owner anyway. Never begins with
+    '-' (one id in 64 would), so ``confkv sessions show ID`` reads it as an id, not an option."""
+    while (session_id := secrets.token_urlsafe(16)).startswith("-"):
+        pass
+    return session_id
 
 
 @dataclass(frozen=True)

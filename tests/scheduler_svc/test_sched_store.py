@@ -37,6 +37,16 @@ def test_session_ids_are_unguessable():
     assert len(ids) == 1000 and all(len(i) >= 22 for i in ids)
 
 
+def test_session_ids_never_begin_with_a_dash(monkeypatch):
+    """One random id in 64 would, and a command line (``confkv sessions show ID``) would read it
+    as an option: such draws are replaced."""
+    import scheduler_svc.store
+
+    draws = iter(["-tjdJmbLMNwhDs6B3mSPDQ", "--bJmbLMNwhDs6B3mSPDQ", "ClhPlFB-ZkUsX9P5okq3_Q"])
+    monkeypatch.setattr(scheduler_svc.store.secrets, "token_urlsafe", lambda n: next(draws))
+    assert new_session_id() == "ClhPlFB-ZkUsX9P5okq3_Q"
+
+
 def test_round_trip_and_turns(store):
     rec = record(transcript=[Message("system", "be brief")])
     store.create(rec)
