@@ -103,7 +103,7 @@ class DecodeArena:
         # per policy: flat rows (layer * B + member), members, layers, tokens to keep
         groups: dict[CachePolicy, tuple[list[int], list[SequenceCache], list[int], list[int]]] = {}
         for row, seq in enumerate(self.seqs):
-            if seq._inert or not self.by_rows[row]:
+            if not self.by_rows[row]:  # (a member that evicts by rows is never inert)
                 continue
             slack = seq.policy.slack
             for layer, store in enumerate(seq.stores):

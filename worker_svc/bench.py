@@ -177,6 +177,12 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
     if args.evict_per_sequence:  # each member evicts on its own (what batched eviction adds)
         per_seq = Engine(model, codec, replace(config, evict_by_rows=False))
         variants.append((" (per-sequence eviction)", per_seq, True))
+    engines = []  # every engine policy, then its variants (evicting ones only where they ask)
+    for policy in wl.policies:
+        engines.append(bench_lockstep.System(f"engine {policy}", engine, policy))
+        for suffix, other, evicting_only in variants:
+            if not (evicting_only and policy == "full"):
+                engines.append(bench_lockstep.System(f"engine {policy}{suffix}", other, policy))
     runs: dict[str, list[bench_peer.Run]] = {}
     for rep in range(args.repeats):
         systems = [("hf_generate", lambda: bench_peer.hf_padded_generate(model, ids, wl.max_new, pad_id))]
@@ -187,16 +193,10 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
                     lambda: bench_peer.hf_continuous_batching(model, ids, wl.max_new, chunk),
                 )
             )
-        for policy in wl.policies:
-            systems.append((f"engine {policy}", functools.partial(
-                bench_peer.engine_run, engine, policy, texts, wl.max_new, f"r{rep}"
+        for i, system in enumerate(engines):
+            systems.append((system.name, functools.partial(
+                bench_peer.engine_run, system.engine, system.policy, texts, wl.max_new, f"e{i}r{rep}"
             )))  # fmt: skip
-            for i, (suffix, other, evicting_only) in enumerate(variants):
-                if evicting_only and policy == "full":
-                    continue
-                systems.append((f"engine {policy}{suffix}", functools.partial(
-                    bench_peer.engine_run, other, policy, texts, wl.max_new, f"v{i}r{rep}"
-                )))  # fmt: skip
         for name, go in systems:
             run = go()
             runs.setdefault(name, []).append(run)
@@ -233,13 +233,8 @@ def peer_workload(model, codec, wl: Workload, args, pad_id: int) -> dict:
                 out["step_vs_engine_full"] = full["step_ms_median"] / out["step_ms_median"]
     prompt_tokens = [len(i) for i in ids]
     out = {**asdict(wl), "prompt_tokens_mean": sum(prompt_tokens) / len(ids), "systems": systems_out}
-    if args.lockstep:
-        engines = [bench_lockstep.System("engine full", engine, "full")]
-        for policy in wl.policies:
-            if policy != "full":
-                engines.append(bench_lockstep.System(f"engine {policy}", engine, policy))
-                for suffix, other, _ in variants:
-                    engines.append(bench_lockstep.System(f"engine {policy}{suffix}", other, policy))
+    if args.lockstep:  # engine full is the reference; its variants are not measured against it
+        engines = [e for e in engines if e.policy != "full" or e.engine is engine]
         out["lockstep"] = lockstep_systems(engines, texts, wl.max_new, args.repeats)
     return out
 

@@ -52,7 +52,7 @@ class CachePolicy:
     evicts: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = False
     # ``score`` works on rows of several sequences (``TokenStats.valid``), each bit for bit as
-    # alone, so a decode batch evicts in one call per layer (``confkv.evict_rows``)
+    # alone, so a decode batch evicts in one call per step (``confkv.evict_rows``)
     scores_rows: ClassVar[bool] = True
     # keys whose default differs when a spec says recall=1 (``parse_policy`` applies them)
     RECALL_DEFAULTS: ClassVar[dict[str, object]] = {}

@@ -108,10 +108,11 @@ def rank_rows(
     protect_from (R, 1), valid (R, N) or None. A row keeps k = max(keep, protected) slots, at
     most its live ones."""
     protected = protected_mask(positions, protect_from, sinks)
+    live: torch.Tensor | int = positions.shape[1]
     if valid is not None:
         protected &= valid
+        live = valid.sum(1)
     ranked = scores.float().masked_fill(protected, _INF)
-    live = positions.shape[1] if valid is None else valid.sum(1)
     if valid is not None:
         ranked = ranked.masked_fill(~valid, -_INF)
     k = torch.clamp(torch.maximum(keep, protected.sum(1)), max=live)
