@@ -311,26 +311,31 @@ class ColdStore:
         self.hi8[dev_slots] = 0
         self.sscale[dev_slots] = 0
 
-    def drop_to(self, max_pages: int, max_tokens: int) -> int:
+    def drop_to(self, max_pages: int, max_tokens: int, margin: float = 0.0) -> int:
         """Drop pages until both limits hold (``max_pages`` live summaries; ``max_tokens`` stored
         tokens, shadows included): pages holding only shadows first (nothing is lost: their
         tokens are hot), then the least attended (max cumulative attention, older first on
-        ties). Returns the cold tokens dropped (they are gone for good, and counted)."""
+        ties). Once a limit is exceeded, ``margin`` (a fraction) drops that much further below
+        it (a low watermark: a full tier then drops a batch of pages every few evictions instead
+        of one page on nearly every eviction). Returns the cold tokens dropped (they are gone for
+        good, and counted)."""
         if self.n_pages <= max_pages and self.n_tokens + self.n_shadow <= max_tokens:
             return 0
         self.settle()
+        max_pages, max_tokens = (limit - int(margin * limit) for limit in (max_pages, max_tokens))
         live = self.page_id >= 0
         utility = self.cum.masked_fill(~self.valid, float("-inf")).amax(1)
         utility = utility.clamp_min(-1e30) + 1e-9 * self.page_id.float()
-        order = utility.masked_fill(~live, float("inf")).argsort()
+        order = utility.masked_fill(~live, float("inf")).argsort()[: int(live.sum())]
         counts = self.valid.sum(1)[order]
         stored = counts + self.shadow.sum(1)[order]
-        dropped_pages = dropped_live = dropped = freed = 0
-        while self.n_pages - dropped_live > max_pages or self.n_tokens + self.n_shadow - freed > max_tokens:
-            dropped += int(counts[dropped_pages])
-            dropped_live += int(counts[dropped_pages] > 0)
-            freed += int(stored[dropped_pages])
-            dropped_pages += 1
-        self._free_slots(order[:dropped_pages])
+        # after dropping the first i pages of ``order`` (i = 0..len): live summaries, tokens left
+        zero = torch.zeros(1, dtype=torch.long, device=counts.device)
+        pages_left = self.n_pages - torch.cat([zero, (counts > 0).long().cumsum(0)])
+        tokens_left = self.n_tokens + self.n_shadow - torch.cat([zero, stored.cumsum(0)])
+        ok = (pages_left <= max_pages) & (tokens_left <= max_tokens)
+        n_drop = int(ok.long().argmax()) if bool(ok.any()) else order.shape[0]
+        dropped = int(counts[:n_drop].sum())
+        self._free_slots(order[:n_drop])
         self.dropped_tokens += dropped
         return dropped

@@ -36,6 +36,7 @@ from confkv.storage import LayerStore
 
 POOL = 7  # prompt-end importance is max-pooled over this many neighbouring positions
 SUMMARY_SHARE = 0.25  # page summaries may take at most this share of a layer's smallest budget
+DROP_MARGIN = 0.125  # a full cold tier drops this share of its bound further (``ColdStore.drop_to``)
 
 
 class RecallMode(enum.Enum):
@@ -184,7 +185,7 @@ class RecallTier:
             return 0
         cold = self.cold[layer]
         cold.add(tokens)
-        return cold.drop_to(self.max_pages[layer], self.max_cold_tokens)
+        return cold.drop_to(self.max_pages[layer], self.max_cold_tokens, DROP_MARGIN)
 
     def vote(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
         """Prompt-end probe: the exact attention weights the probe's queries q (Hq, M, D) give

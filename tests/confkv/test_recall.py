@@ -99,6 +99,19 @@ def test_cold_shadows_are_dropped_before_cold_tokens():
     assert cold.drop_to(0, 1 << 62) == 8 and cold.dropped_tokens == 8
 
 
+def test_cold_drop_margin_drops_below_the_bound_least_attended_first():
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    tokens = _int8_tokens(80, start=0)  # pages 0..9
+    tokens["cum"] = torch.arange(80, dtype=torch.float32).flip(0)  # older pages more attended
+    cold.add(tokens)
+    assert cold.drop_to(10, 1 << 62, margin=0.5) == 0  # within the bound: nothing moves
+    assert cold.drop_to(8, 1 << 62, margin=0.5) == 8 * 6  # over it: down to 8 - 4 pages
+    assert sorted(cold.slot_of) == [0, 1, 2, 3] and cold.n_pages == 4 and cold.dropped_tokens == 48
+    # the token bound takes the same margin: 32 stored tokens over 24 -> at most 12 left
+    assert cold.drop_to(4, 24, margin=0.5) == 24 and sorted(cold.slot_of) == [0]
+    assert cold.n_tokens == 8 and cold.nbytes() == 8 * GEOM.int8_token_bytes
+
+
 def test_cold_forget_from_drops_valid_and_shadow_tokens():
     cold = ColdStore(GEOM, page=8, device="cpu")
     cold.add(_int8_tokens(20, start=0))  # pages 0, 1, 2 (4 tokens)

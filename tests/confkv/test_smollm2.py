@@ -71,6 +71,10 @@ def test_bench_decode_interleaves_step_by_step(tmp_path):
     row = report["results"]["96"]
     assert set(row) == {"hf-sdpa", "full", "confkv:n_high=64,n_low=48,p=8"}
     assert all(len(v["runs"]) == 2 and v["tokens_per_s"] > 0 for v in row.values())
+    for v in row.values():  # the whole-run rate: 8 steps over their summed time, between the repeats'
+        runs = v["runs"]
+        assert v["tokens_per_s_total"] == pytest.approx(8 / sum(4 / r for r in runs))
+        assert min(runs) * (1 - 1e-9) <= v["tokens_per_s_total"] <= max(runs) * (1 + 1e-9)
     assert "--block 1" in report["command"]
     with pytest.raises(SystemExit):
         bench_decode.main(["--block", "-1"])
