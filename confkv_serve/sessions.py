@@ -17,6 +17,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("sessions", help="list, show or delete your sessions on a running scheduler")
     p.add_argument("action", choices=["list", "show", "delete"])
     p.add_argument("session_id", nargs="?", help="the session (show, delete)")
+    p.add_argument(
+        "--id",
+        dest="session_id_opt",
+        metavar="ID",
+        help="the session, as an option: --id=ID also takes an id that begins with '-'",
+    )
     p.add_argument("--address", default="127.0.0.1:50051", help="scheduler host:port")
     p.add_argument("--auth-token-env", default="CONFKV_AUTH_TOKEN", help="env var holding your client token")
     p.add_argument("--ca", help="CA certificate to verify the scheduler's TLS (default: plaintext)")
@@ -29,6 +35,9 @@ def run(args) -> int:
 
     from scheduler_svc.client import SchedulerClient
 
+    if args.session_id and args.session_id_opt:
+        raise UsageError("give the session id once: as an argument or as --id")
+    args.session_id = args.session_id or args.session_id_opt
     if args.action == "list" and args.session_id:
         raise UsageError("'sessions list' takes no session id")
     if args.action != "list" and not args.session_id:

@@ -320,6 +320,12 @@ def test_sessions_command_is_scoped_to_the_caller(servers, monkeypatch, capsys):
     assert main(["sessions", "list", "--address", address, "--json"]) == 0
     assert mine in capsys.readouterr().out
     assert main(["sessions", "show", mine, "--address", address]) == 0
+    assert main(["sessions", "show", f"--id={mine}", "--address", address]) == 0
+    capsys.readouterr()
+    # an id that begins with '-' (one in 64 did before ids were redrawn) reaches the scheduler
+    assert main(["sessions", "show", "--id=-tjdJmbLMNwhDs6B3mSPDQ", "--address", address]) == 2
+    assert "not_found" in capsys.readouterr().err
+    assert main(["sessions", "show", mine, f"--id={mine}", "--address", address]) == 2  # given twice
     assert main(["sessions", "delete", mine, "--address", address]) == 0
     assert main(["sessions", "show", mine, "--address", address]) == 2  # gone: one line, exit 2
     assert "not_found" in capsys.readouterr().err
