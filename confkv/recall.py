@@ -132,7 +132,16 @@ class RecallTier:
         # the per-layer budgets of a confident step: what the prompt-end choice must fit in
         self.floors = policy.layer_budgets(floor, geometry.n_layers)
         page_bytes = self.cold[0].page_summary_bytes
-        self.max_pages = [max(1, int(SUMMARY_SHARE * f * slot) // page_bytes) for f in self.floors]
+        # summaries take hot slots, so they may never squeeze a layer below what it must hold
+        # (the protected window, the sinks and the incoming token): a layer whose confident-step
+        # budget has no slot to spare (a deep pyramid layer at its minimum) keeps no cold pages
+        self.max_pages = [
+            min(
+                max(1, int(SUMMARY_SHARE * f * slot) // page_bytes),
+                max(0, f - policy.min_tokens) * slot // page_bytes,
+            )
+            for f in self.floors
+        ]
         per_layer = policy.cold_bytes // geometry.n_layers if policy.cold_bytes else None
         self.max_cold_tokens = per_layer // geometry.int8_token_bytes if per_layer else 1 << 62
 

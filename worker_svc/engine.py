@@ -1,7 +1,8 @@
 """Transport-free worker engine: many sessions, one model, continuous batching, a fixed KV pool.
 
 Each ``step()``: admit queued turns whose worst-case KV fits the pool (FIFO; idle sessions'
-caches are released, least recently used first, to make room), sample one token for every
+caches are released or demoted, least recently used first, to make room; when no turn is
+running, so are the caches of sessions whose turns wait), sample one token for every
 decoding turn, then advance everything in ONE forward: every decoding turn's token and one
 prompt chunk of every prefilling turn packed along one row (chunked prefill interleaved with
 decode, eviction between chunks; ``confkv.batched.PackedCache``), or the plain decode batch over
@@ -385,11 +386,7 @@ class Engine:
         while self.queue and len(self.active) < self.config.max_batch_size:
             turn = self.queue[0]
             session = turn.session
-            idle = sorted(
-                (s for s in self.sessions.values() if s is not session and s.turn is None and s.seq),
-                key=lambda s: s.last_used,
-            )
-            victims = [s.session_id for s in idle]
+            victims = self._victims(session)
             sid = session.session_id
             if not self.host_pool.reserve(
                 sid, max(turn.cold_reserve_bytes, session.cold_nbytes()), victims, self._evict_idle
@@ -401,6 +398,21 @@ class Engine:
                 return
             self.queue.popleft()
             self._start(turn)
+
+    def _victims(self, session: Session) -> list[str]:
+        """Sessions whose caches may make room for ``session``'s turn, least recently used first:
+        the idle ones; and, when no turn is running (nothing will ever shrink a reservation),
+        those whose turns wait behind this one too (their turns rebuild or resume from cold
+        when they start). Without the second group, waiting sessions holding the pool would
+        block the queue's head, and every turn behind it, for good."""
+        others = sorted(
+            (s for s in self.sessions.values() if s is not session and s.seq is not None),
+            key=lambda s: s.last_used,
+        )
+        idle = [s.session_id for s in others if s.turn is None]
+        if self.active:
+            return idle
+        return idle + [s.session_id for s in others if s.turn is not None]
 
     def _start(self, turn: Turn) -> None:
         session = turn.session

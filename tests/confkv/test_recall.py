@@ -32,6 +32,8 @@ RECALL_SPECS = [
     "window:n=64,recall=1,page=4,trigger=every,every=3",
     "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8,obs=4",
     "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,vote=sum,pool=1,norm=max",
+    # the deepest pyramid layer sits at p+s+1: no slot to spare for a page summary (fuzz)
+    "confkv:n_high=24,n_low=20,p=8,s=2,pyramid=1,int8=1,w=8,recall=1,page=4",
 ]
 
 

@@ -12,7 +12,7 @@ from worker_svc.codec import ByteChatCodec
 from worker_svc.engine import Engine
 from worker_svc.types import EngineConfig
 
-POLICY = "confkv:n_high=40,n_low=32,p=4,s=2,recall=1,page=8"
+POLICY = "confkv:n_high=40,n_low=32,p=4,s=2,recall=1,page=32"  # a cold tier that never reaches its bound
 ITEM = {
     "id": "tiny",
     "answer": "4817",

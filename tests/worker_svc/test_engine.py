@@ -155,6 +155,24 @@ def test_idle_kv_is_released_under_pressure_and_rebuilt(make_engine):
     assert engine.session_report("a").turns == 4
 
 
+def test_waiting_sessions_caches_make_room_when_nothing_runs(make_engine):
+    """Every cache in the pool belongs to a session whose next turn waits behind the queue's head,
+    and no turn runs: the head must not wait for good. Waiting sessions' caches are released
+    (least recently used first) and every turn completes (a fuzz run found this deadlock)."""
+    engine = make_engine()
+    for sid in ("a", "b"):
+        engine.open_session(sid, "full", [])
+        engine.submit(TurnRequest(sid, user(PROMPTS[2]), max_new_tokens=4))
+    engine.run_until_idle()
+    held = engine.pool.reserved_bytes
+    engine.pool.capacity_bytes = held + held // 4  # a's longer second turn fits only without b
+    handles = [engine.submit(TurnRequest(sid, user(PROMPTS[2]), max_new_tokens=4)) for sid in ("a", "b")]
+    assert engine.run_until_idle() > 0
+    assert all(events_of(h)[1].reason in (FinishReason.EOS, FinishReason.MAX_TOKENS) for h in handles)
+    assert engine.session_report("a").turns == 4 and engine.session_report("b").turns == 4
+    assert engine.pool.reserved_bytes <= engine.pool.capacity_bytes
+
+
 RECALL = "confkv:n_high=40,n_low=32,p=4,s=2,recall=1,page=8"
 LONG_A = "The passkey is 4817. Remember it, then talk about the weather in Bath for a while. " * 2
 
