@@ -142,8 +142,9 @@ class RecallTier:
             )
             for f in self.floors
         ]
-        per_layer = policy.cold_bytes // geometry.n_layers if policy.cold_bytes else None
-        self.max_cold_tokens = per_layer // geometry.int8_token_bytes if per_layer else 1 << 62
+        per_layer = policy.cold_bytes // geometry.n_layers if policy.cold_bytes is not None else None
+        # a bound smaller than one token per layer keeps nothing cold (it is not "no bound")
+        self.max_cold_tokens = per_layer // geometry.int8_token_bytes if per_layer is not None else 1 << 62
 
     # -- sizes -------------------------------------------------------------------------------------
     def summary_tokens(self, layer: int) -> int:

@@ -226,6 +226,18 @@ def test_hot_bytes_within_budget_and_tokens_conserved(tiny_model, token_ids, spe
         assert seq.stats.peak_cold_bytes <= seq.policy.cold_bytes
 
 
+@pytest.mark.parametrize("cold_bytes", [1, 100])
+def test_a_cold_bound_below_one_token_per_layer_keeps_nothing_cold(tiny_model, token_ids, cold_bytes):
+    """``cold_bytes`` smaller than one INT8 token per layer is a bound of zero tokens, not "no
+    bound" (1 // n_layers once read as unbounded and overran a worker's host pool; fuzz)."""
+    cache = ConfKVCache.for_model(tiny_model, f"sinks:s=4,n=48,recall=1,page=8,cold_bytes={cold_bytes}")
+    seq = cache.seqs[0]
+    assert cold_bytes // seq.geometry.n_layers < seq.geometry.int8_token_bytes
+    teacher_forced_logits(tiny_model, cache, token_ids[:, :160], prefix=100)
+    assert seq.stats.peak_cold_bytes == 0 and seq.cold_nbytes() == 0
+    assert seq.stats.cold_dropped_tokens == seq.stats.evicted_tokens > 0  # every eviction is counted
+
+
 def test_gated_recall_reads_cold_only_on_unsure_steps(tiny_model, token_ids):
     """trigger=gate: recall events happen at the prompt end and on steps with c < tau only."""
     cache = ConfKVCache.for_model(tiny_model, "confkv:n_high=64,n_low=40,p=8,s=2,recall=1,page=8,tau=0.02")
