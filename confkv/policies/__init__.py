@@ -54,6 +54,10 @@ def _convert(name: str, key: str, raw: str, annotation) -> object:
         raise ValueError(f"policy {name!r}: {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
+# keys of the recall tier (``CachePolicy``): a spec without recall=1 that gives one is a mistake
+RECALL_KEYS = ("page", "rtok", "obs", "hold", "trigger", "rate", "every", "cold_bytes", "vote")
+
+
 def parse_policy(spec: str) -> CachePolicy:
     """``"confkv:n_high=512,n_low=256"`` -> a validated policy. Raises ValueError with the reason."""
     if not isinstance(spec, str) or not spec.strip():
@@ -78,6 +82,9 @@ def parse_policy(spec: str) -> CachePolicy:
         kwargs[key] = _convert(name, key, raw.strip(), hints[key])
     if kwargs.get("recall"):  # keys the spec leaves out take the policy's recall defaults
         kwargs = {**cls.RECALL_DEFAULTS, **kwargs}
+    elif idle := [key for key in RECALL_KEYS if key in kwargs]:  # they would do nothing
+        verb = "applies" if len(idle) == 1 else "apply"
+        raise ValueError(f"policy {name!r}: {', '.join(idle)} {verb} only with recall=1 (add recall=1)")
     try:
         return cls(**kwargs)
     except TypeError as err:  # pragma: no cover - fields were checked above

@@ -269,6 +269,10 @@ def test_recall_spec_validation():
             parse_policy(bad)
     assert parse_policy("confkv:int8=1,recall=1").recall_trigger == "gate"
     assert parse_policy("h2o:recall=1").recall_trigger == "prompt"
+    # recall keys without recall=1 would silently do nothing: they are refused, with the fix
+    for idle in ("h2o:n=64,page=8", "confkv:rtok=8,int8=1", "window:n=16,recall=0,vote=sum,cold_bytes=9"):
+        with pytest.raises(ValueError, match=r"appl(y|ies) only with recall=1 \(add recall=1\)"):
+            parse_policy(idle)
 
 
 # Kept positions, greedy tokens and peak bytes of a teacher-forced run on the tiny Llama,
