@@ -50,19 +50,23 @@ class KVPool:
         """Set ``owner``'s reservation to ``nbytes`` if it fits, releasing idle owners (in the
         given order, least recently used first) through ``evict_idle`` when needed; the callback
         returns what the victim still holds (0: released; more: demoted, its reservation shrinks
-        to that). Returns False (and changes nothing but the evictions it needed) when it cannot
+        to that). When demoting them all is not enough, each is asked once more, in the same
+        order (a demoted victim is then released), so one call finds the room that exists.
+        Returns False (and changes nothing but the evictions it needed) when it cannot
         fit."""
         if nbytes < 0:
             raise ValueError(f"pool {self.name!r}: negative reservation {nbytes}")
         if not self.fits_alone(nbytes):
             return False
-        for victim in idle:
-            if self.headroom(owner) >= nbytes:
-                break
-            if victim == owner or victim not in self._reserved:
-                continue
-            left = evict_idle(victim) if evict_idle is not None else 0
-            self.shrink(victim, left or 0)
+        idle = list(idle)
+        for _ in range(2):  # a second round asks the demoted again (the callback then releases them)
+            for victim in idle:
+                if self.headroom(owner) >= nbytes:
+                    break
+                if victim == owner or victim not in self._reserved:
+                    continue
+                left = evict_idle(victim) if evict_idle is not None else 0
+                self.shrink(victim, left or 0)
         if self.headroom(owner) < nbytes:
             return False
         self._reserved[owner] = nbytes

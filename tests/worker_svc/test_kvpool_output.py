@@ -45,6 +45,21 @@ def test_reserve_evicts_idle_owners_least_recent_first():
     assert evicted == ["old"] and pool.reserved_bytes == 90
 
 
+def test_reserve_releases_the_demoted_when_demoting_all_is_not_enough():
+    pool = KVPool("hot", 100)
+    for owner in ("old", "new"):
+        assert pool.reserve(owner, 40)
+    asked: list[str] = []
+
+    def demote_then_release(victim: str) -> int:  # the engine's _make_room: demote, then release
+        asked.append(victim)
+        return 0 if asked.count(victim) > 1 else 10
+
+    assert pool.reserve("turn", 85, ["old", "new"], demote_then_release)
+    assert asked == ["old", "new", "old"] and pool.reserved("old") == 0 and pool.reserved("new") == 10
+    assert pool.reserved_bytes == 95
+
+
 def test_a_reply_cut_mid_character_is_not_stored_with_a_replacement_char():
     out = Detokenizer(ByteChatCodec())
     ids = list("né".encode())  # the last character is two bytes
