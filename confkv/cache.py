@@ -7,8 +7,10 @@ mixed INT8/FP storage and returns the attention mass that feeds the EMA.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -20,6 +22,18 @@ from confkv.policies import CachePolicy, parse_policy
 from confkv.sequence import SequenceCache
 
 _HANDOFF = threading.local()
+_DRIVER = threading.local()  # set while confkv.decode drives a forward (``driven``)
+
+
+@contextlib.contextmanager
+def driven() -> Iterator[None]:
+    """Mark the forwards inside as confkv.decode's (chunked prefill with the prompt-end probe)."""
+    before = getattr(_DRIVER, "on", False)
+    _DRIVER.on = True
+    try:
+        yield
+    finally:
+        _DRIVER.on = before
 
 
 def pending_cache(layer_idx: int) -> ConfKVCache | None:
@@ -69,6 +83,7 @@ class ConfKVCache(Cache):
 
     packed = False  # one row holding several sequences' tokens (``confkv.batched.PackedCache``)
     arena: DecodeArena | None = None  # the decode batch's shared FP rows (``confkv.arena``)
+    _probe_warned = False
 
     def __init__(self, sequences: list[SequenceCache]):
         if not sequences:
@@ -112,6 +127,8 @@ class ConfKVCache(Cache):
         m = key_states.shape[2]
         if layer_idx == 0:  # once per forward: the batch's arena, while it decodes together
             self.arena = arena_for(self.seqs) if m == 1 and len(self.seqs) > 1 else None
+            if m > 1 and not self._probe_warned and not getattr(_DRIVER, "on", False):
+                self._warn_no_probe()
         arena = self.arena if m == 1 else None
         if arena is None:
             for seq in self.seqs:
@@ -125,6 +142,19 @@ class ConfKVCache(Cache):
             arena.fresh = -1
         for b, seq in enumerate(self.seqs):
             seq.append(layer_idx, key_states[b], value_states[b])
+
+    def _warn_no_probe(self) -> None:
+        """A prompt fed by someone else than confkv.decode (``model.generate``) skips the recall
+        tier's prompt-end probe: say so once, instead of recalling less without a word."""
+        if any(seq.tier is not None for seq in self.seqs):
+            self._probe_warned = True
+            warnings.warn(
+                "recall=1: this prompt was not fed through confkv.decode.prefill/generate (or the "
+                "worker), so the prompt-end probe that recalls what it asks about did not run; "
+                "only confkv's gated decode-step recall acts",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen (not stored): new tokens get their true position from this."""

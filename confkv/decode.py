@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from confkv.cache import ConfKVCache
+from confkv.cache import ConfKVCache, driven
 from confkv.recall import SUMMARY_SHARE, RecallMode
 
 
@@ -73,13 +73,14 @@ def observation_window(cache: ConfKVCache) -> int:
 def forward(model, cache: ConfKVCache, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
     """input_ids (B, M) at each sequence's next positions -> logits (B, M, V) or (B, 1, V)."""
     positions = cache.positions_for_next(input_ids.shape[1]).to(input_ids.device)
-    out = model(
-        input_ids=input_ids,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=0 if all_logits else 1,
-    )
+    with driven():
+        out = model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
     return out.logits
 
 

@@ -238,6 +238,28 @@ def test_a_cold_bound_below_one_token_per_layer_keeps_nothing_cold(tiny_model, t
     assert seq.stats.cold_dropped_tokens == seq.stats.evicted_tokens > 0  # every eviction is counted
 
 
+def test_a_prompt_fed_by_model_generate_warns_that_the_probe_did_not_run(tiny_model, token_ids):
+    """``model.generate`` feeds the prompt itself, so the prompt-end probe cannot run: a recall
+    cache says so once (a warning), rather than recalling less without a word; confkv.decode's
+    own prefill does not warn, and neither does a cache without a recall tier."""
+    import warnings
+
+    from confkv.decode import generate
+
+    ids = token_ids[:, :120]
+    spec = "h2o:n=48,recall=1,page=8"
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    with pytest.warns(UserWarning, match="prompt-end probe") as caught:
+        tiny_model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+        tiny_model.generate(
+            ids, past_key_values=ConfKVCache.for_model(tiny_model, "h2o:n=48"), max_new_tokens=2
+        )
+    assert sum("prompt-end probe" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*prompt-end probe.*")
+        generate(tiny_model, ConfKVCache.for_model(tiny_model, spec), ids, 3)
+
+
 def test_gated_recall_reads_cold_only_on_unsure_steps(tiny_model, token_ids):
     """trigger=gate: recall events happen at the prompt end and on steps with c < tau only."""
     cache = ConfKVCache.for_model(tiny_model, "confkv:n_high=64,n_low=40,p=8,s=2,recall=1,page=8,tau=0.02")
