@@ -92,7 +92,7 @@ def run(contexts, specs, steps, repeats, text_file, block: int = 0) -> dict:
             name: {
                 "tokens_per_s": statistics.median(v),
                 # every timed step of every repeat over their summed time (a slow repeat counts)
-                "tokens_per_s_total": len(v) * steps / sum(steps / r for r in v),
+                "tokens_per_s_total": statistics.harmonic_mean(v),
                 "runs": v,
             }
             for name, v in times.items()

@@ -329,12 +329,12 @@ class ColdStore:
         order = utility.masked_fill(~live, float("inf")).argsort()[: int(live.sum())]
         counts = self.valid.sum(1)[order]
         stored = counts + self.shadow.sum(1)[order]
-        # after dropping the first i pages of ``order`` (i = 0..len): live summaries, tokens left
+        # after dropping the first i pages of ``order`` (i = 0..len): live summaries, tokens left;
+        # the last entry (every page dropped) always holds, so the first that holds exists
         zero = torch.zeros(1, dtype=torch.long, device=counts.device)
         pages_left = self.n_pages - torch.cat([zero, (counts > 0).long().cumsum(0)])
         tokens_left = self.n_tokens + self.n_shadow - torch.cat([zero, stored.cumsum(0)])
-        ok = (pages_left <= max_pages) & (tokens_left <= max_tokens)
-        n_drop = int(ok.long().argmax()) if bool(ok.any()) else order.shape[0]
+        n_drop = int(((pages_left <= max_pages) & (tokens_left <= max_tokens)).long().argmax())
         dropped = int(counts[:n_drop].sum())
         self._free_slots(order[:n_drop])
         self.dropped_tokens += dropped
