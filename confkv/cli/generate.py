@@ -72,7 +72,7 @@ def run(args) -> int:
     seq = cache.seqs[0]
     print(
         f"[{policy.spec()}] {len(result.tokens)} tokens in {seconds:.1f}s, prompt {ids.shape[1]} tokens, "
-        f"peak KV {seq.stats.peak_bytes / 2**20:.2f} MiB, stop: {result.stop_reason}",
+        f"peak KV {seq.stats.peak_bytes / 2**20:.2f} MiB{cold_line(seq)}, stop: {result.stop_reason}",
         file=sys.stderr,
     )
     if args.trace:
@@ -83,6 +83,7 @@ def run(args) -> int:
                     "policy": policy.spec(),
                     "prompt_tokens": int(ids.shape[1]),
                     "peak_kv_bytes": seq.stats.peak_bytes,
+                    **cold_fields(seq),
                     "seconds": seconds,
                     "text": tok.decode(result.tokens, skip_special_tokens=True),
                     "steps": [readable_step(step) for step in result.trace],
@@ -91,6 +92,27 @@ def run(args) -> int:
             )
         )
     return 0
+
+
+def cold_fields(seq) -> dict:
+    """The cold tier's figures for the trace header ({} without ``recall=1``)."""
+    if seq.tier is None:
+        return {}
+    return {
+        "peak_cold_bytes": int(seq.stats.peak_cold_bytes),
+        "cold_bytes": int(seq.cold_nbytes()),
+        "recalled_tokens": int(seq.stats.recalled_tokens),
+        "recall_steps": int(seq.stats.recall_steps),
+        "cold_dropped_tokens": int(seq.stats.cold_dropped_tokens),
+    }
+
+
+def cold_line(seq) -> str:
+    """``, peak cold X MiB, recalled N tokens`` for the summary line ('' without ``recall=1``)."""
+    if seq.tier is None:
+        return ""
+    stats = seq.stats
+    return f", peak cold {stats.peak_cold_bytes / 2**20:.2f} MiB, recalled {stats.recalled_tokens} tokens"
 
 
 def readable_step(step: dict) -> dict:

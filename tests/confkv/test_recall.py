@@ -364,6 +364,16 @@ def test_generate_trace_shows_recall_events_and_cold_bytes(tiny_model, token_ids
     assert out.trace[0]["recalls"][0]["mode"] == "swap"  # the prompt end
     assert all(row["cold_bytes"] > 0 for row in out.trace)
     assert sum(e["tokens"] for e in events) == cache.seqs[0].stats.recalled_tokens
+    # ``confkv generate`` puts the tier's totals in the trace header and its summary line
+    from confkv.cli.generate import cold_fields, cold_line
+
+    seq = cache.seqs[0]
+    head = cold_fields(seq)
+    assert head["recalled_tokens"] == seq.stats.recalled_tokens > 0
+    assert head["peak_cold_bytes"] >= head["cold_bytes"] == out.trace[-1]["cold_bytes"] > 0
+    assert head["recall_steps"] == 3 and f"recalled {seq.stats.recalled_tokens} tokens" in cold_line(seq)
+    plain = ConfKVCache.for_model(tiny_model, "h2o:n=48").seqs[0]
+    assert cold_fields(plain) == {} and cold_line(plain) == ""
 
 
 def test_worst_case_cold_bytes_and_plan_host_column():
