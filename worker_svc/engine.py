@@ -6,8 +6,8 @@ running, so are the caches of sessions whose turns wait), sample one token for e
 decoding turn, then advance everything in ONE forward: every decoding turn's token and one
 prompt chunk of every prefilling turn packed along one row (chunked prefill interleaved with
 decode, eviction between chunks; ``confkv.batched.PackedCache``), or the plain decode batch over
-the ragged caches when nobody is prefilling. Turns with a recall tier feed their chunks alone
-(the prompt end runs the recall probe).
+the ragged caches when nobody is prefilling. A turn with a recall tier packs its chunks too but
+for its prompt end, the probe window, which runs alone (through the recall probe).
 
 The pool arithmetic lives in ``KVPool`` (``kvpool.py``: invariant ``sum(reserved) <= pool``;
 every session's exact bytes stay within its reservation, a turn reserving ``min(policy peak
@@ -28,7 +28,7 @@ import torch
 from confkv.arena import evict_by_rows, release_arena
 from confkv.batched import packed_forward
 from confkv.cache import ConfKVCache
-from confkv.decode import forward, next_prefill_chunk, prompt_end_forward, sample
+from confkv.decode import forward, next_prefill_chunk, observation_window, prompt_end_forward, sample
 from confkv.linear import install, onednn_linears
 from confkv.memory import KVGeometry
 from confkv.sequence import SequenceCache
@@ -235,8 +235,11 @@ class Engine:
             continuing = [t for t in decoding if self._isolated(t, self._emit_next)]
         prefilling = [t for t in work if t.pending and t in self.active]
         packs = self.config.packed_prefill
-        packed = [t for t in prefilling if packs and _seq(t).tier is None]  # recall: prompt-end probe
-        alone = [t for t in prefilling if not (packs and _seq(t).tier is None)]
+        # a recall turn's prompt end (its probe window) runs alone, through the probe; every
+        # chunk before it, the rest of its final chunk included, packs with the others
+        sizes = [self._chunk_size(t) if packs else 0 for t in prefilling]
+        packed = [(t, n) for t, n in zip(prefilling, sizes, strict=True) if n > 0]
+        alone = [t for t, n in zip(prefilling, sizes, strict=True) if n == 0]
         with onednn_linears(self.config.onednn_linears), evict_by_rows(self.config.evict_by_rows):
             for turn in alone:
                 self._isolated(turn, self._prefill_chunk)
@@ -267,20 +270,18 @@ class Engine:
             for turn in turns:
                 self._isolated(turn, lambda t: self._forward([t]))
 
-    def _mixed(self, decoding: list[Turn], prefilling: list[Turn]) -> None:
+    def _mixed(self, decoding: list[Turn], prefilling: list[tuple[Turn, int]]) -> None:
         """One packed forward: a token of every decoding turn and a prompt chunk of every
         prefilling one (chunked prefill interleaved with decode). If it fails, the old way:
         each chunk alone, then the decode batch, so only turns that fail by themselves fail."""
         chunks = [[t.generated[-1]] for t in decoding]
-        for turn in prefilling:
-            size = next_prefill_chunk(ConfKVCache([_seq(turn)]), len(turn.pending), self.config.prefill_chunk)
-            chunks.append(turn.pending[:size])
-        turns = [*decoding, *prefilling]
+        chunks += [turn.pending[:size] for turn, size in prefilling]
+        turns = [*decoding, *(turn for turn, _ in prefilling)]
         try:
             logits = packed_forward(self.model, [_seq(t) for t in turns], chunks)  # (B, V)
         except Exception:
             log.warning("packed step failed; retrying its %d turns the unpacked way", len(turns))
-            for turn in prefilling:
+            for turn, _ in prefilling:
                 self._isolated(turn, self._prefill_chunk)
             if decoding:
                 self._decode(decoding)
@@ -297,6 +298,17 @@ class Engine:
             observed.append(row)
         if observed:  # the budgets of the next step follow these logits' confidence
             _observe([_seq(turns[r]) for r in observed], logits[observed])
+
+    def _chunk_size(self, turn: Turn) -> int:
+        """Tokens of ``turn``'s prompt the next packed forward feeds: its next prefill chunk,
+        except that a recall turn's final chunk stops before the probe window, which then runs
+        alone (0: only that window is left). ``prompt_end_forward`` would feed the part before
+        the window first anyway, so the tokens and the caches are those of feeding alone."""
+        cache = ConfKVCache([_seq(turn)])
+        size = next_prefill_chunk(cache, len(turn.pending), self.config.prefill_chunk)
+        if cache.seqs[0].tier is not None and size == len(turn.pending):
+            size -= min(observation_window(cache), size)
+        return size
 
     def _forward(self, turns: list[Turn]) -> None:
         tokens = torch.tensor([t.generated[-1] for t in turns], device=self.device)

@@ -387,6 +387,56 @@ def test_arrivals_while_others_decode_equal_each_alone(model, make_engine):
         assert got == alone(model, policy, prompt, max_new, 16), policy
 
 
+RECALL_POLICIES = [
+    "confkv:n_high=40,n_low=24,p=4,s=2,int8=1,w=8,recall=1,page=4,obs=8",
+    "h2o:n=24,recall=1,page=4,obs=8",
+]
+
+
+def test_recall_prompts_pack_but_for_the_probe_window_and_equal_each_alone(model, make_engine, monkeypatch):
+    """A recall turn's prompt chunks ride in the packed forward with the decoding turns; only
+    its probe window (the last ``obs`` tokens, capped at a quarter of the smallest budget) runs
+    alone, through the probe; every turn's tokens are those it gets alone."""
+    import worker_svc.engine as engine_mod
+
+    ends: list[tuple[int, int]] = []  # (rows, tokens) of each prompt end run alone
+    packed: list[int] = []  # prompt tokens of recall turns fed by packed forwards
+    real_end, real_packed = engine_mod.prompt_end_forward, engine_mod.packed_forward
+
+    def end(m, cache, ids):
+        ends.append(tuple(ids.shape))
+        return real_end(m, cache, ids)
+
+    def packs(m, seqs, chunks):
+        for seq, chunk in zip(seqs, chunks, strict=True):
+            if seq.tier is not None and seq.seen_tokens < prompt:  # a prompt chunk, not a decode token
+                packed.append(len(chunk))
+        return real_packed(m, seqs, chunks)
+
+    prompt = len(ByteChatCodec().encode_chat(user(LONG)))
+    monkeypatch.setattr(engine_mod, "prompt_end_forward", end)
+    monkeypatch.setattr(engine_mod, "packed_forward", packs)
+    engine = make_engine()
+    handles = {}
+    for i, policy in enumerate(POLICIES[:2]):
+        engine.open_session(f"s{i}", policy, [])
+        handles[(policy, PROMPTS[i])] = engine.submit(
+            TurnRequest(f"s{i}", user(PROMPTS[i]), max_new_tokens=30)
+        )
+    for _ in range(6):
+        engine.step()  # s0, s1 are decoding now
+    for i, policy in enumerate(RECALL_POLICIES, start=2):
+        engine.open_session(f"s{i}", policy, [])
+        handles[(policy, LONG)] = engine.submit(TurnRequest(f"s{i}", user(LONG), max_new_tokens=20))
+    engine.run_until_idle()
+    assert sorted(ends) == [(1, 6), (1, 8)]  # h2o n=24: obs capped at 24 // 4; confkv: obs 8
+    assert sum(packed) == 2 * prompt - 6 - 8 and max(packed) > 1  # every other prompt token was packed
+    for (policy, text), handle in handles.items():
+        tokens, done = events_of(handle)
+        got = [e.token_id for e in tokens] + ([ByteChatCodec.END] if done.reason is FinishReason.EOS else [])
+        assert got == alone(model, policy, text, 30 if text in PROMPTS else 20, 16), policy
+
+
 def test_packed_forward_equals_separate_forwards():
     model = tiny_llama(layers=2, seed=3)
     enable(model)
