@@ -110,3 +110,46 @@ def test_random_sessions_keep_every_invariant_and_every_turn_ends(seed):
             while not handle.events.empty():
                 events.append(handle.events.get_nowait())
             assert events and isinstance(events[-1], TurnDone) and events[-1].reason in ENDED, specs
+
+
+def _turns(engine: Engine, specs: list[str], turns: list[list[str]], new: list[int], ids: list[int]):
+    """Each of ``ids``'s sessions takes every turn (all sessions' turn k, then turn k+1) ->
+    the tokens of each turn, per session."""
+    for i in ids:
+        engine.open_session(f"s{i}", specs[i], [])
+    out: dict[int, list[list[int]]] = {i: [] for i in ids}
+    for texts, n in zip(turns, new, strict=True):
+        handles = {
+            i: engine.submit(
+                TurnRequest(f"s{i}", (ChatMessage("user", texts[i]),), max_new_tokens=n, ignore_eos=True)
+            )
+            for i in ids
+        }
+        engine.run_until_idle()
+        for i, handle in handles.items():
+            events = []
+            while not handle.events.empty():
+                events.append(handle.events.get_nowait())
+            out[i].append([e.token_id for e in events if not isinstance(e, TurnDone)])
+    return out
+
+
+@pytest.mark.parametrize("seed", [1000, 1002, 1005, 1011])  # mixes of recall, int8, pyramid, slack
+def test_a_sessions_turns_do_not_depend_on_the_sessions_sharing_its_batches(seed):
+    """Three sessions of random specs (recall on and off) take three turns each in one engine
+    (packed prefill, decode batches, greedy, no pool pressure); each session's tokens equal
+    those it gets in an engine of its own."""
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    model = printable_byte_llama()
+    specs = _valid_specs(rng, 3)
+    turns = [
+        [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 10, 40]))) for _ in specs] for _ in range(3)
+    ]
+    new = [rng.randint(2, 12) for _ in turns]
+    config = EngineConfig(kv_pool_bytes=1 << 30, prefill_chunk=rng.choice([8, 16, 64]), max_batch_size=8)
+    together = _turns(Engine(model, ByteChatCodec(), config), specs, turns, new, [0, 1, 2])
+    for i in range(3):
+        assert _turns(Engine(model, ByteChatCodec(), config), specs, turns, new, [i])[i] == together[i], (
+            specs[i]
+        )
