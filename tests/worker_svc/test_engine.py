@@ -354,8 +354,9 @@ def _forwards(model, calls: list[int]):
     return model.register_forward_hook(lambda *_: calls.append(1))
 
 
-def test_arrivals_while_others_decode_equal_each_alone(model, make_engine):
-    engine = make_engine()
+def _arrive_while_two_decode(engine: Engine, arriving: list[str]) -> dict:
+    """Sessions of POLICIES[:2] start (30 new tokens) and decode; then sessions of ``arriving``
+    submit LONG (20 new tokens). -> {(policy, prompt): handle}"""
     handles = {}
     for i, policy in enumerate(POLICIES[:2]):
         engine.open_session(f"s{i}", policy, [])
@@ -364,11 +365,26 @@ def test_arrivals_while_others_decode_equal_each_alone(model, make_engine):
         )
     for _ in range(6):
         engine.step()  # s0, s1 are decoding now
-    calls: list[int] = []
-    hook = _forwards(model, calls)
-    for i, policy in enumerate(POLICIES[2:], start=2):
+    for i, policy in enumerate(arriving, start=2):
         engine.open_session(f"s{i}", policy, [])
         handles[(policy, LONG)] = engine.submit(TurnRequest(f"s{i}", user(LONG), max_new_tokens=20))
+    return handles
+
+
+def _assert_each_alone(model, handles: dict) -> None:
+    """Every turn of ``_arrive_while_two_decode`` produced the tokens it produces alone."""
+    for (policy, prompt), handle in handles.items():
+        tokens, done = events_of(handle)
+        got = [e.token_id for e in tokens] + ([ByteChatCodec.END] if done.reason is FinishReason.EOS else [])
+        max_new = 30 if prompt in PROMPTS else 20
+        assert got == alone(model, policy, prompt, max_new, 16), policy
+
+
+def test_arrivals_while_others_decode_equal_each_alone(model, make_engine):
+    engine = make_engine()
+    calls: list[int] = []
+    handles = _arrive_while_two_decode(engine, POLICIES[2:])
+    hook = _forwards(model, calls)  # opening and submitting run no forward
     per_step = []
     while True:
         before = len(calls)
@@ -380,11 +396,7 @@ def test_arrivals_while_others_decode_equal_each_alone(model, make_engine):
                 assert engine.session_report(session.session_id).kv_bytes == exact_bytes(session.seq)
     hook.remove()
     assert max(per_step) == 1  # every step, arriving prompt chunks included, was at most ONE forward
-    for (policy, prompt), handle in handles.items():
-        tokens, done = events_of(handle)
-        got = [e.token_id for e in tokens] + ([ByteChatCodec.END] if done.reason is FinishReason.EOS else [])
-        max_new = 30 if prompt in PROMPTS else 20
-        assert got == alone(model, policy, prompt, max_new, 16), policy
+    _assert_each_alone(model, handles)
 
 
 RECALL_POLICIES = [
@@ -417,24 +429,11 @@ def test_recall_prompts_pack_but_for_the_probe_window_and_equal_each_alone(model
     monkeypatch.setattr(engine_mod, "prompt_end_forward", end)
     monkeypatch.setattr(engine_mod, "packed_forward", packs)
     engine = make_engine()
-    handles = {}
-    for i, policy in enumerate(POLICIES[:2]):
-        engine.open_session(f"s{i}", policy, [])
-        handles[(policy, PROMPTS[i])] = engine.submit(
-            TurnRequest(f"s{i}", user(PROMPTS[i]), max_new_tokens=30)
-        )
-    for _ in range(6):
-        engine.step()  # s0, s1 are decoding now
-    for i, policy in enumerate(RECALL_POLICIES, start=2):
-        engine.open_session(f"s{i}", policy, [])
-        handles[(policy, LONG)] = engine.submit(TurnRequest(f"s{i}", user(LONG), max_new_tokens=20))
+    handles = _arrive_while_two_decode(engine, RECALL_POLICIES)
     engine.run_until_idle()
     assert sorted(ends) == [(1, 6), (1, 8)]  # h2o n=24: obs capped at 24 // 4; confkv: obs 8
     assert sum(packed) == 2 * prompt - 6 - 8 and max(packed) > 1  # every other prompt token was packed
-    for (policy, text), handle in handles.items():
-        tokens, done = events_of(handle)
-        got = [e.token_id for e in tokens] + ([ByteChatCodec.END] if done.reason is FinishReason.EOS else [])
-        assert got == alone(model, policy, text, 30 if text in PROMPTS else 20, 16), policy
+    _assert_each_alone(model, handles)
 
 
 def test_packed_forward_equals_separate_forwards():
