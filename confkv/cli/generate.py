@@ -95,16 +95,15 @@ def run(args) -> int:
 
 
 def cold_fields(seq) -> dict:
-    """The cold tier's figures for the trace header ({} without ``recall=1``)."""
+    """The cold tier's figures for the trace header, as the evals name them ({} without
+    ``recall=1``); no mean (every trace row has its step's cold bytes), the final cold bytes."""
     if seq.tier is None:
         return {}
-    return {
-        "peak_cold_bytes": int(seq.stats.peak_cold_bytes),
-        "cold_bytes": int(seq.cold_nbytes()),
-        "recalled_tokens": int(seq.stats.recalled_tokens),
-        "recall_steps": int(seq.stats.recall_steps),
-        "cold_dropped_tokens": int(seq.stats.cold_dropped_tokens),
-    }
+    from confkv.eval.common import recall_fields  # torch-heavy: imported when a trace is written
+
+    fields = recall_fields(seq, mean_cold_bytes=0.0)
+    del fields["mean_cold_bytes"]
+    return {**fields, "cold_bytes": int(seq.cold_nbytes())}
 
 
 def cold_line(seq) -> str:
