@@ -52,37 +52,69 @@ def smollm2_gguf() -> Path:
 
 
 def smollm2_dir() -> Path:
-    """The converted HF folder (about 540 MB fp32), built once from the GGUF and cached."""
-    import torch
+    """The converted HF folder (about 540 MB fp32), built once from the GGUF and cached.
 
+    Processes that start together on a fresh machine (a worker pool, two evals) convert once:
+    the first takes a lock beside the cache, the others wait for it and then load its folder.
+    A finished folder is never replaced, since another process may be reading it."""
     target = cache_root() / "smollm2-135m-instruct"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+    if _complete(target):
         return target
     gguf = smollm2_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.parent / ".smollm2.lock"):
+        if _complete(target):  # converted by another process while this one waited
+            return target
+        print(f"confkv: converting the embedded SmolLM2 once (cached in {target})", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+        try:
+            _convert(gguf, tmp)
+            if target.exists():  # a partial folder left by an older, unlocked version
+                shutil.rmtree(target)
+            tmp.rename(target)  # atomic: a half-written folder is never mistaken for a cache hit
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """Hold an exclusive advisory lock on ``lock`` (POSIX ``flock``; no lock where there is none)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; conversions there are not serialized
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Write the GGUF's weights, de-quantized to fp32, and its tokenizer as an HF folder."""
+    import torch
+
     try:
         import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it)
     except ImportError:
         raise ModelNotFoundError(f"loading the GGUF default model needs gguf: {SMOLLM2_INSTALL}") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"confkv: converting the embedded SmolLM2 once (cached in {target})", file=sys.stderr)
     with _quiet_gguf_bar():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # type: ignore[assignment]  # weights are already de-quantized to fp32; save them as plain HF
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)  # atomic: a half-written folder is never mistaken for a cache hit
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 @contextlib.contextmanager
