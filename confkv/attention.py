@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from confkv_kernels import Backend, chunk_attention, decode_attention, default_backend
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from confkv.arena import DecodeArena
 from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
@@ -141,12 +142,36 @@ def _fallback(query, key, value, scaling):
     return out
 
 
+# attention arguments some models pass that change the result, which these kernels do not apply:
+# refused rather than ignored (ignoring them would change every token without a word)
+_UNSUPPORTED = {"softcap": "logit soft-capping (Gemma 2)", "s_aux": "learned attention sinks (gpt-oss)"}
+
+
+def _check_window(seqs: list[SequenceCache], layer: int, window: int) -> None:
+    """A sliding-window layer (Mistral, Gemma's local layers) must not see a key ``window`` or more
+    positions behind its newest query; Conf-KV attention has no window mask, so refuse instead
+    of attending past the window (the policy ``window:n=W`` never holds such a key)."""
+    for seq in seqs:
+        store = seq.stores[layer]
+        if len(store) and store.next_pos - 1 - int(store.meta_view("pos").min()) >= window:
+            raise ValueError(
+                f"layer {layer} of this model attends over a sliding window of {window} tokens and "
+                f"Conf-KV attention has no window mask: past {window} tokens, use window:n={window} "
+                "(or a smaller n), which keeps only the last positions, or a shorter context"
+            )
+
+
 def confkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query (B, Hq, M, D) -> (attn_output (B, M, Hq, D), None) as transformers expects."""
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     layer = module.layer_idx
     cache = pending_cache(layer)
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"this model's attention uses {what} ({name}): Conf-KV attention does not")
+    if cache is not None and kwargs.get("sliding_window"):
+        _check_window(cache.seqs, layer, kwargs["sliding_window"])
     if cache is None:
         out = _fallback(query, key, value, scaling)
     elif isinstance(cache, PackedCache):
@@ -158,9 +183,24 @@ def confkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+def padding_guard(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs) -> None:
+    """The mask function transformers calls for ``confkv`` attention (its 2D ``attention_mask``
+    comes here, already sized to the keys). Each sequence attends causally over its own cache,
+    so no mask is built; a mask that hides a key (a left-padded batch) cannot be honoured
+    and is refused, instead of letting the pads be attended and the tokens silently change."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "Conf-KV attention takes no padding mask: a padded batch would attend to its pads. Prefill "
+            "each prompt in a cache of its own (confkv.decode.prefill), then decode them together in "
+            "ConfKVCache([c.seqs[0] for c in caches]), or generate one sequence at a time"
+        )
+    return None
+
+
 def register() -> None:
-    """Register the attention function once (idempotent)."""
+    """Register the attention function and its mask guard once (idempotent)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, confkv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_guard)
 
 
 def enable(model) -> None:

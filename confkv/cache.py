@@ -8,6 +8,7 @@ mixed INT8/FP storage and returns the attention mass that feeds the EMA.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -100,8 +101,14 @@ class ConfKVCache(Cache):
         batch_size: int = 1,
         seed: int = 0,
     ) -> ConfKVCache:
+        """A cache for ``model``, one sequence per policy (or ``batch_size`` of one policy). The
+        model's attention is switched to ``confkv`` here (``confkv.attention.enable``): any other
+        attention would read only the new tokens that ``update`` hands back."""
+        from confkv.attention import enable  # attention imports this module
+
         if isinstance(policies, (str, CachePolicy)):
             policies = [policies] * batch_size
+        enable(model)
         param = next(model.parameters())
         geometry = KVGeometry.from_config(model.config, param.dtype)
         seqs = [
@@ -116,7 +123,17 @@ class ConfKVCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None):
         """key/value (B, Hkv, M, D) of the new tokens; stored, then attended by ``attend``."""
         if key_states.shape[0] != len(self.seqs) and not self.packed:
-            raise ValueError(f"batch of {key_states.shape[0]} rows for a cache of {len(self.seqs)} sequences")
+            raise ValueError(
+                f"batch of {key_states.shape[0]} rows for a cache of {len(self.seqs)} sequences (build "
+                "it with ConfKVCache.for_model(model, spec, batch_size=rows): beam search needs batch x "
+                "num_beams)"
+            )
+        if getattr(_HANDOFF, "cache", None) is self:  # the last layer's hand-off was never attended
+            _HANDOFF.cache = None
+            raise RuntimeError(
+                f"layer {_HANDOFF.layer} attended without Conf-KV, so it saw only the new tokens: build "
+                "the cache with ConfKVCache.for_model(model, ...) or call confkv.attention.enable(model)"
+            )
         self.store(key_states, value_states, layer_idx)
         _HANDOFF.cache, _HANDOFF.layer = self, layer_idx
         return key_states, value_states
@@ -166,6 +183,36 @@ class ConfKVCache(Cache):
     @property
     def max_batch_size(self) -> int:
         return len(self.seqs)
+
+    # -- rows for beam and contrastive search (transformers' Cache API) ----------------------------
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row i continues the old row ``beam_idx[i]``."""
+        self._rows([int(j) for j in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows([int(j) for j in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rows([j for j in range(len(self.seqs)) for _ in range(repeats)])
+
+    def _rows(self, order: list[int]) -> None:
+        """The rows become the old rows ``order``: a row taken twice continues as an independent
+        copy (its stores, statistics, confidence history and cold tier)."""
+        if any(not 0 <= j < len(self.seqs) for j in order) or not order:
+            raise ValueError(f"row indices {order} do not select from a cache of {len(self.seqs)} sequences")
+        taken: set[int] = set()
+        rows = []
+        for j in order:
+            rows.append(copy.deepcopy(self.seqs[j]) if j in taken else self.seqs[j])
+            taken.add(j)
+        self.seqs, self.arena = rows, None
+
+    def crop(self, max_length: int) -> None:
+        """Assisted decoding rolls the cache back; evicted tokens cannot be restored exactly."""
+        raise ValueError(
+            "ConfKVCache cannot be cropped (assisted or prompt-lookup decoding): tokens already evicted "
+            "would not come back; generate without an assistant model"
+        )
 
     # -- Conf-KV ------------------------------------------------------------------------------------
     def observe_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -178,6 +178,116 @@ def test_hf_generate_with_confidence_processor():
     assert len(proc.history) == 15 and max(cache.seqs[0].tokens_per_layer()) <= 24
 
 
+def test_for_model_switches_a_plain_hf_model_to_confkv_attention():
+    """A model loaded with plain transformers (sdpa attention) works with ``for_model`` as is: the
+    same tokens as one switched by hand, evicting or not (before, it silently attended only to the
+    new tokens, or failed on a mask of the wrong length)."""
+    from confkv.attention import enable
+
+    ids = torch.randint(0, 101, (1, 40), generator=torch.Generator().manual_seed(1))
+    for spec in ("full", "window:n=16", "confkv:n_high=24,n_low=16,p=4,int8=1,w=4"):
+        plain = tiny_llama(layers=2)
+        assert plain.config._attn_implementation != "confkv"
+        got = generate(plain, ConfKVCache.for_model(plain, spec), ids, 12).tokens
+        switched = tiny_llama(layers=2)
+        enable(switched)
+        assert got == generate(switched, ConfKVCache.for_model(switched, spec), ids, 12).tokens, spec
+
+
+def test_a_model_switched_away_from_confkv_attention_fails_clearly():
+    model = tiny_llama(layers=2)
+    cache = ConfKVCache.for_model(model, "full")
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="attended without Conf-KV.*enable"):
+        generate(model, cache, torch.ones(1, 5, dtype=torch.long), 3)
+
+
+def test_hf_generate_refuses_a_left_padded_batch():
+    """Each row attends causally over its own cache, so pads would be attended: refused with a
+    way out, instead of tokens that silently differ from each prompt alone."""
+    model = tiny_llama(layers=2)
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 101, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    ids[1, :8], mask[1, :8] = 0, 0
+    cache = ConfKVCache.for_model(model, "full", batch_size=2)
+    with pytest.raises(ValueError, match="no padding mask.*cache of its own"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    unpadded = ConfKVCache.for_model(model, "full", batch_size=2)  # an all-ones mask is fine
+    ones = torch.ones_like(mask)
+    out = model.generate(ids, attention_mask=ones, past_key_values=unpadded, max_new_tokens=2)
+    assert out.shape == (2, 22)
+
+
+def test_hf_beam_search_reorders_rows_and_keeps_each_beams_budget():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(1, 101, (1, 40), generator=torch.Generator().manual_seed(3))
+    plain = model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False)
+    cache = ConfKVCache.for_model(model, "full", batch_size=3)
+    assert torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=8, num_beams=3), plain)
+    for spec, budget in (("confkv:n_high=24,n_low=16,p=4,int8=1,w=4", 24), ("h2o:n=16", 16)):
+        cache = ConfKVCache.for_model(model, spec, batch_size=3)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=12, num_beams=3, do_sample=False)
+        assert out.shape == (1, 52)
+        assert len({id(s) for s in cache.seqs}) == 3  # a beam taken twice continues as a copy
+        assert all(max(s.tokens_per_layer()) <= budget for s in cache.seqs)
+    with pytest.raises(ValueError, match="batch_size=rows"):
+        one_row = ConfKVCache.for_model(model, "full")
+        model.generate(ids, past_key_values=one_row, max_new_tokens=2, num_beams=2)
+
+
+def test_rows_are_selected_and_copied_independently(tiny_model, token_ids):
+    cache = ConfKVCache.for_model(tiny_model, "h2o:n=24", batch_size=2)
+    prefill(tiny_model, cache, token_ids[:, :30].expand(2, -1))
+    first = cache.seqs[0]
+    cache.reorder_cache(torch.tensor([0, 0]))
+    assert cache.seqs[0] is first and cache.seqs[1] is not first
+    for a, b in zip(cache.seqs[0].stores, cache.seqs[1].stores, strict=True):
+        assert torch.equal(a.meta("pos"), b.meta("pos")) and a.fp.t["k"] is not b.fp.t["k"]
+    cache.batch_repeat_interleave(2)
+    assert len(cache.seqs) == 4
+    with pytest.raises(ValueError, match="do not select"):
+        cache.batch_select_indices(torch.tensor([4]))
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(10)
+
+
+def test_a_sliding_window_model_is_refused_past_its_window_unless_the_policy_keeps_within_it():
+    """Mistral-style layers attend over the last W positions only; Conf-KV attention has no window
+    mask, so a cache holding an older key fails with a way out instead of attending past W."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    short = torch.randint(1, 101, (1, 12), generator=torch.Generator().manual_seed(4))
+    plain = model.generate(short, max_new_tokens=4, do_sample=False)[0, 12:].tolist()
+    assert generate(model, ConfKVCache.for_model(model, "full"), short, 4).tokens == plain  # within W
+    long = torch.randint(1, 101, (1, 30), generator=torch.Generator().manual_seed(5))
+    for spec in ("full", "h2o:n=12"):  # h2o keeps old heavy hitters: past the window
+        with pytest.raises(ValueError, match="sliding window of 16.*window:n=16"):
+            generate(model, ConfKVCache.for_model(model, spec), long, 10)
+    plain = model.generate(long, max_new_tokens=10, do_sample=False)[0, 30:].tolist()
+    got = generate(model, ConfKVCache.for_model(model, "window:n=16"), long, 10, chunk_size=1).tokens
+    assert got == plain  # one token at a time, window:n=W is the model's own sliding window
+
+
+def test_a_model_whose_attention_soft_caps_its_logits_is_refused():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="soft-capping"):
+        generate(model, ConfKVCache.for_model(model, "full"), torch.ones(1, 8, dtype=torch.long), 2)
+
+
 def test_api_errors_are_value_errors(tiny_model):
     cache = ConfKVCache.for_model(tiny_model, "full")
     with pytest.raises(ValueError, match="empty prompt"):
