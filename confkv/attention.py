@@ -131,13 +131,16 @@ def _attend_decode_batch(
     return out if out is not None else _attend_padded_decode(seqs, layer, q, scaling)
 
 
-def _fallback(query, key, value, scaling):
-    """No Conf-KV cache in use: plain causal attention (keeps the model usable without our cache)."""
+def _fallback(query, key, value, scaling, window: int | None = None):
+    """No Conf-KV cache in use: plain causal attention (keeps the model usable without our cache),
+    over the last ``window`` positions on a sliding-window layer."""
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
     m, n = query.shape[2], key.shape[2]
     mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(diagonal=n - m)
+    if window:
+        mask = mask.triu(diagonal=n - m - window + 1)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
     return out
 
@@ -173,7 +176,7 @@ def confkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cache is not None and kwargs.get("sliding_window"):
         _check_window(cache.seqs, layer, kwargs["sliding_window"])
     if cache is None:
-        out = _fallback(query, key, value, scaling)
+        out = _fallback(query, key, value, scaling, kwargs.get("sliding_window"))
     elif isinstance(cache, PackedCache):
         out = packed_attention(cache, layer, query, scaling, _attend_one, _attend_decode_batch)
     elif query.shape[2] == 1 and len(cache.seqs) > 1:
@@ -192,7 +195,8 @@ def padding_guard(batch_size, q_length, kv_length, *args, attention_mask=None, *
         raise ValueError(
             "Conf-KV attention takes no padding mask: a padded batch would attend to its pads. Prefill "
             "each prompt in a cache of its own (confkv.decode.prefill), then decode them together in "
-            "ConfKVCache([c.seqs[0] for c in caches]), or generate one sequence at a time"
+            "ConfKVCache([c.seqs[0] for c in caches]), or generate one sequence at a time (without a "
+            "Conf-KV cache, switch the model back first: model.set_attn_implementation('sdpa'))"
         )
     return None
 

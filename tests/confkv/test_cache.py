@@ -275,6 +275,25 @@ def test_a_sliding_window_model_is_refused_past_its_window_unless_the_policy_kee
     assert got == plain  # one token at a time, window:n=W is the model's own sliding window
 
 
+def test_without_a_confkv_cache_a_sliding_window_layer_keeps_its_window():
+    """The fallback attention (model switched to confkv, no Conf-KV cache) applies the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from confkv.attention import enable
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+    )  # fmt: skip
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(1, 101, (1, 30), generator=torch.Generator().manual_seed(2))
+    ref_logits, ref = model(ids).logits, model.generate(ids, max_new_tokens=6, do_sample=False)
+    enable(model)
+    assert (model(ids).logits - ref_logits).abs().max() <= 1e-5
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), ref)
+
+
 def test_a_model_whose_attention_soft_caps_its_logits_is_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
