@@ -34,15 +34,20 @@ VOCAB = 101
 
 
 def tiny_llama(layers: int = 3, seed: int = 0, vocab: int = VOCAB, **overrides):
+    return tiny_causal_lm(LlamaConfig, LlamaForCausalLM, layers, seed, vocab, **overrides)
+
+
+def tiny_causal_lm(config_cls, model_cls, layers: int = 2, seed: int = 0, vocab: int = VOCAB, **overrides):
+    """A tiny random decoder of any transformers architecture (GQA 4/2, hidden 64)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    cfg = config_cls(
         **{
             "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": layers,
             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
             **overrides,
         }
     )  # fmt: skip
-    return LlamaForCausalLM(cfg).eval()
+    return model_cls(cfg).eval()
 
 
 def tiny_gpt2(layers: int = 3, seed: int = 0):

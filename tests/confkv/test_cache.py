@@ -18,7 +18,7 @@ from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.processor import ConfidenceProcessor
 from confkv.recall import SUMMARY_SHARE
-from tests.helpers import banded_mask, reference_logits, tiny_llama
+from tests.helpers import banded_mask, reference_logits, tiny_causal_lm, tiny_llama
 
 
 def test_full_reproduces_model_logits(tiny_model, token_ids):
@@ -257,12 +257,7 @@ def test_a_sliding_window_model_is_refused_past_its_window_unless_the_policy_kee
     mask, so a cache holding an older key fails with a way out instead of attending past W."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
-    )  # fmt: skip
-    model = MistralForCausalLM(config).eval()
+    model = tiny_causal_lm(MistralConfig, MistralForCausalLM, sliding_window=16)
     short = torch.randint(1, 101, (1, 12), generator=torch.Generator().manual_seed(4))
     plain = model.generate(short, max_new_tokens=4, do_sample=False)[0, 12:].tolist()
     assert generate(model, ConfKVCache.for_model(model, "full"), short, 4).tokens == plain  # within W
@@ -281,12 +276,7 @@ def test_without_a_confkv_cache_a_sliding_window_layer_keeps_its_window():
 
     from confkv.attention import enable
 
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
-    )  # fmt: skip
-    model = MistralForCausalLM(config).eval()
+    model = tiny_causal_lm(MistralConfig, MistralForCausalLM, sliding_window=8)
     ids = torch.randint(1, 101, (1, 30), generator=torch.Generator().manual_seed(2))
     ref_logits, ref = model(ids).logits, model.generate(ids, max_new_tokens=6, do_sample=False)
     enable(model)
@@ -297,12 +287,7 @@ def test_without_a_confkv_cache_a_sliding_window_layer_keeps_its_window():
 def test_a_model_whose_attention_soft_caps_its_logits_is_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    torch.manual_seed(0)
-    config = Gemma2Config(
-        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    )  # fmt: skip
-    model = Gemma2ForCausalLM(config).eval()
+    model = tiny_causal_lm(Gemma2Config, Gemma2ForCausalLM, head_dim=16)
     with pytest.raises(ValueError, match="soft-capping"):
         generate(model, ConfKVCache.for_model(model, "full"), torch.ones(1, 8, dtype=torch.long), 2)
 

@@ -11,7 +11,6 @@ import torch
 from confkv_kernels.reference import decode_attention_ref, quantize_int8_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from confkv.attention import enable
 from confkv.cache import ConfKVCache
@@ -21,6 +20,7 @@ from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.recall import cold_positions
 from confkv.storage import LayerStore
+from tests.helpers import tiny_llama
 
 GEOM = KVGeometry(n_layers=1, n_kv_heads=2, head_dim=16, dtype_bytes=4)
 RECALL_SPECS = [
@@ -315,12 +315,7 @@ SEED_FINGERPRINTS = {
 @pytest.fixture(scope="module")
 def tiny_llama_model():
     """The exact tiny Llama the fingerprints were taken on (seed 0)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(layers=3, seed=0)
     enable(model)
     return model
 
