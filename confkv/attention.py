@@ -156,7 +156,9 @@ def _check_window(seqs: list[SequenceCache], layer: int, window: int) -> None:
     of attending past the window (the policy ``window:n=W`` never holds such a key)."""
     for seq in seqs:
         store = seq.stores[layer]
-        if len(store) and store.next_pos - 1 - int(store.meta_view("pos").min()) >= window:
+        if store.next_pos <= window or not len(store):  # no key can be that far back yet
+            continue
+        if store.next_pos - 1 - int(store.meta_view("pos").min()) >= window:
             raise ValueError(
                 f"layer {layer} of this model attends over a sliding window of {window} tokens and "
                 f"Conf-KV attention has no window mask: past {window} tokens, use window:n={window} "

@@ -203,7 +203,12 @@ class ConfKVCache(Cache):
         taken: set[int] = set()
         rows = []
         for j in order:
-            rows.append(copy.deepcopy(self.seqs[j]) if j in taken else self.seqs[j])
+            row = self.seqs[j]
+            if j in taken:
+                for store in row.stores:  # out of a decode arena first: copy the row, not the batch
+                    store.fp.own()
+                row = copy.deepcopy(row)
+            rows.append(row)
             taken.add(j)
         self.seqs, self.arena = rows, None
 

@@ -238,10 +238,12 @@ def test_hf_beam_search_reorders_rows_and_keeps_each_beams_budget():
 
 def test_rows_are_selected_and_copied_independently(tiny_model, token_ids):
     cache = ConfKVCache.for_model(tiny_model, "h2o:n=24", batch_size=2)
-    prefill(tiny_model, cache, token_ids[:, :30].expand(2, -1))
+    logits = prefill(tiny_model, cache, token_ids[:, :30].expand(2, -1))
+    decode_one_token(tiny_model, cache, sample(logits))  # a decode batch: rows of one arena on CPU
     first = cache.seqs[0]
     cache.reorder_cache(torch.tensor([0, 0]))
     assert cache.seqs[0] is first and cache.seqs[1] is not first
+    assert all(st.fp.home is None for st in cache.seqs[1].stores)  # the row was copied, not the arena
     for a, b in zip(cache.seqs[0].stores, cache.seqs[1].stores, strict=True):
         assert torch.equal(a.meta("pos"), b.meta("pos")) and a.fp.t["k"] is not b.fp.t["k"]
     cache.batch_repeat_interleave(2)
