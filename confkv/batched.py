@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from confkv.cache import ConfKVCache, driven
+from confkv.cache import ConfKVCache, all_or_nothing, driven
 from confkv.sequence import SequenceCache
 
 _NEG = float("-inf")
@@ -185,7 +185,7 @@ def packed_forward(model, seqs: list[SequenceCache], chunks: list[list[int]]) ->
         [torch.arange(s.seen_tokens, s.seen_tokens + m) for s, m in zip(seqs, lengths, strict=True)]
     )
     last = torch.tensor(cache.offsets[1:], device=device) - 1
-    with driven():  # the engine feeds recall turns' prompts alone, through the probe
+    with driven(), all_or_nothing(seqs):  # the engine feeds recall prompt ends alone, through the probe
         out = model(
             input_ids=ids, position_ids=positions[None].to(device), past_key_values=cache, use_cache=True,
             logits_to_keep=last,

@@ -37,6 +37,22 @@ def driven() -> Iterator[None]:
         _DRIVER.on = before
 
 
+@contextlib.contextmanager
+def all_or_nothing(seqs: Sequence[SequenceCache]) -> Iterator[None]:
+    """A forward that fails part-way (an error in layer k, out of memory) leaves none of its
+    tokens behind: layers 0..k-1 had stored them, so every sequence rolls back to the position
+    it had before (``SequenceCache.rollback``) and a retry feeds them once, at the right
+    positions. Evictions made on the way stand, as if the tokens had been read and dropped."""
+    starts = [seq.seen_tokens for seq in seqs]
+    try:
+        yield
+    except BaseException:
+        for seq, start in zip(seqs, starts, strict=True):
+            if any(store.next_pos != start for store in seq.stores):
+                seq.rollback(start)
+        raise
+
+
 def pending_cache(layer_idx: int) -> ConfKVCache | None:
     """The ConfKVCache whose ``update`` just ran for ``layer_idx`` on this thread (if any)."""
     cache = getattr(_HANDOFF, "cache", None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from confkv.cache import ConfKVCache, driven
+from confkv.cache import ConfKVCache, all_or_nothing, driven
 from confkv.recall import SUMMARY_SHARE, RecallMode
 
 
@@ -73,7 +73,7 @@ def observation_window(cache: ConfKVCache) -> int:
 def forward(model, cache: ConfKVCache, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
     """input_ids (B, M) at each sequence's next positions -> logits (B, M, V) or (B, 1, V)."""
     positions = cache.positions_for_next(input_ids.shape[1]).to(input_ids.device)
-    with driven():
+    with driven(), all_or_nothing(cache.seqs):
         out = model(
             input_ids=input_ids,
             position_ids=positions,
@@ -109,22 +109,26 @@ def prompt_end_forward(model, cache: ConfKVCache, input_ids: torch.Tensor) -> to
     probe = min(observation_window(cache), input_ids.shape[1])
     if probe == 0:
         return forward(model, cache, input_ids)
-    head, tail = input_ids[:, :-probe], input_ids[:, -probe:]
-    if head.shape[1]:
-        forward(model, cache, head)
-    rows = [b for b, s in enumerate(cache.seqs) if s.needs_probe(probe)]
-    if not rows:
+    with all_or_nothing(cache.seqs):  # a failure anywhere: the whole chunk, head included, unread
+        head, tail = input_ids[:, :-probe], input_ids[:, -probe:]
+        if head.shape[1]:
+            forward(model, cache, head)
+        rows = [b for b, s in enumerate(cache.seqs) if s.needs_probe(probe)]
+        if not rows:
+            return forward(model, cache, tail)
+        sub = ConfKVCache([cache.seqs[b] for b in rows])
+        starts = [s.seen_tokens for s in sub.seqs]
+        for seq in sub.seqs:
+            seq.arm(RecallMode.PROBE)
+        try:
+            forward(model, sub, tail[rows])
+        finally:
+            for seq in sub.seqs:
+                seq.arm(RecallMode.NONE)
+        for seq, start in zip(sub.seqs, starts, strict=True):
+            seq.rollback(start)
+            seq.recall_voted(incoming=probe)
         return forward(model, cache, tail)
-    sub = ConfKVCache([cache.seqs[b] for b in rows])
-    starts = [s.seen_tokens for s in sub.seqs]
-    for seq in sub.seqs:
-        seq.arm(RecallMode.PROBE)
-    forward(model, sub, tail[rows])
-    for seq, start in zip(sub.seqs, starts, strict=True):
-        seq.arm(RecallMode.NONE)
-        seq.rollback(start)
-        seq.recall_voted(incoming=probe)
-    return forward(model, cache, tail)
 
 
 @torch.no_grad()

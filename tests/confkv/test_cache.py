@@ -17,7 +17,7 @@ from confkv.decode import (
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
 from confkv.processor import ConfidenceProcessor
-from confkv.recall import SUMMARY_SHARE
+from confkv.recall import SUMMARY_SHARE, cold_positions
 from tests.helpers import banded_mask, reference_logits, tiny_causal_lm, tiny_llama
 
 
@@ -292,6 +292,40 @@ def test_a_model_whose_attention_soft_caps_its_logits_is_refused():
     model = tiny_causal_lm(Gemma2Config, Gemma2ForCausalLM, head_dim=16)
     with pytest.raises(ValueError, match="soft-capping"):
         generate(model, ConfKVCache.for_model(model, "full"), torch.ones(1, 8, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("spec", ["full", "confkv:n_high=24,n_low=16,p=4,int8=1,w=4,recall=1", "h2o:n=16"])
+def test_a_forward_that_fails_part_way_leaves_no_token_behind(spec):
+    """Layer 0 has stored the chunk when layer 1 fails: every layer (and the cold tier) ends at
+    the position it had before, and feeding the chunk again works as if the first try never ran
+    (exactly, where the first try evicted nothing)."""
+    model = tiny_llama(layers=3)
+    ids = torch.randint(1, 101, (2, 40), generator=torch.Generator().manual_seed(6))
+    cache, clean = (
+        ConfKVCache.for_model(model, spec, batch_size=2),
+        ConfKVCache.for_model(model, spec, batch_size=2),
+    )
+    prefill(model, cache, ids[:, :30])
+    prefill(model, clean, ids[:, :30])
+    hook = model.model.layers[1].register_forward_pre_hook(
+        lambda *_: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            prefill(model, cache, ids[:, 30:])
+    finally:
+        hook.remove()
+    for seq in cache.seqs:
+        assert all(store.next_pos == 30 and int(store.meta("pos").max()) < 30 for store in seq.stores)
+        if seq.tier is not None:
+            for cold in seq.tier.cold:
+                cold.settle()
+                held = cold.valid | cold.shadow  # (P, S): slots that stand for a token
+                assert bool((cold_positions(cold)[held] < 30).all())
+    again, reference = prefill(model, cache, ids[:, 30:]), prefill(model, clean, ids[:, 30:])
+    if spec == "full":
+        torch.testing.assert_close(again, reference)
+    assert [s.seen_tokens for s in cache.seqs] == [40, 40]
 
 
 def test_api_errors_are_value_errors(tiny_model):

@@ -481,6 +481,42 @@ def test_a_failing_packed_step_falls_back_and_fails_only_the_culprit(make_engine
     assert events_of(late)[1].reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_step_that_fails_part_way_leaves_no_token_behind(model, make_engine, packed):
+    """A forward that fails in its second layer (the first layer had stored the step's tokens)
+    is retried turn by turn: with the step rolled back, every turn ends with the tokens of a
+    run where nothing failed (full caches: nothing evicted on the way). Without the rollback the
+    first layer held the failed step's tokens twice."""
+
+    def run(fail: bool):
+        engine = make_engine(packed_prefill=packed)
+        failed = [False]
+
+        def hook(_, args):
+            if fail and not failed[0] and args[0].shape[0] >= 2:  # the first batched decode step
+                failed[0] = True
+                raise RuntimeError("layer 1 failed part-way")
+
+        handle = model.model.layers[1].register_forward_pre_hook(hook)
+        try:
+            handles = []
+            for i, prompt in enumerate(PROMPTS[:3]):
+                engine.open_session(f"s{i}", "full", [])
+                handles.append(engine.submit(TurnRequest(f"s{i}", user(prompt), max_new_tokens=8)))
+            engine.run_until_idle()
+        finally:
+            handle.remove()
+        assert failed[0] == fail
+        for i in range(3):  # each layer holds every position once, and all agree on the next one
+            seq = engine.sessions[f"s{i}"].seq
+            for store in seq.stores:
+                pos = store.meta("pos").tolist()
+                assert len(set(pos)) == len(pos) and store.next_pos == seq.seen_tokens == max(pos) + 1
+        return [[e.token_id for e in events_of(h)[0]] for h in handles]
+
+    assert run(fail=True) == run(fail=False)
+
+
 def test_unpacked_reference_path_gives_the_same_tokens(model, make_engine):
     results = {}
     for packed in (True, False):
