@@ -223,4 +223,30 @@ def load_model(name: str = SMOLLM2, dtype: torch.dtype | None = None, device: st
         ) from None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
     enable(model)
+    check_attention(model, name)
     return model, tokenizer
+
+
+def check_attention(model, name: str) -> None:
+    """Two tokens through a throwaway Conf-KV cache: a model whose attention these kernels do not
+    apply (soft-capped logits, learned sinks) fails here, when it loads, instead of on a turn."""
+    import torch
+
+    from confkv.cache import ConfKVCache
+    from confkv.decode import forward
+
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        forward(model, ConfKVCache.for_model(model, "full"), ids)
+    except ValueError as err:
+        raise ModelNotFoundError(f"cannot serve model {name!r} with Conf-KV: {err}") from None
+
+
+def sliding_window(config) -> int | None:
+    """The attention window that some layer of this model applies (Mistral, Gemma's local layers,
+    Qwen2 with use_sliding_window), or None when every layer sees the whole context."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)

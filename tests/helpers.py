@@ -192,9 +192,10 @@ TOKEN = "e2e-client-secret"  # clients -> scheduler
 WORKER_TOKEN = "e2e-worker-secret"  # scheduler -> workers (a different credential)
 
 
-def save_tiny_model(folder: Path) -> Path:
+def save_tiny_model(folder: Path, config_cls=LlamaConfig, model_cls=LlamaForCausalLM, **overrides) -> Path:
+    """A tiny random model with SmolLM2's tokenizer, saved as an HF folder (Llama unless told)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from confkv.models import ModelNotFoundError, smollm2_dir
 
@@ -203,12 +204,15 @@ def save_tiny_model(folder: Path) -> Path:
     except ModelNotFoundError as err:
         pytest.skip(f"needs the SmolLM2 tokenizer: {err}")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    config = config_cls(
+        **{
+            "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id, **overrides,
+        }
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model_cls(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -41,7 +41,7 @@ def create_engine(
     """
     import torch
 
-    from confkv.models import load_model
+    from confkv.models import load_model, sliding_window
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,8 +56,15 @@ def create_engine(
     if dtype not in dtypes:
         raise ValueError(f"--dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
     model, tokenizer = load_model(model_name, dtype=dtypes[dtype], device=device)
-    max_positions = getattr(model.config, "max_position_embeddings", None) or 8192
-    config.setdefault("max_context_tokens", int(max_positions))
+    limit = int(getattr(model.config, "max_position_embeddings", None) or 8192)
+    if (window := sliding_window(model.config)) is not None:  # no window mask: no context past it
+        if config.get("max_context_tokens", 0) > window:
+            raise ValueError(
+                f"--max-context {config['max_context_tokens']} is past {model_name!r}'s sliding window of "
+                f"{window} tokens, which Conf-KV attention does not apply"
+            )
+        limit = min(limit, window)
+    config.setdefault("max_context_tokens", limit)
     return Engine(model, HFChatCodec(tokenizer), EngineConfig(kv_pool_bytes=kv_pool_bytes, **config))
 
 
