@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from confkv.arena import DecodeArena
 from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
-from confkv.cache import pending_cache
+from confkv.cache import is_driven, pending_cache
 from confkv.sequence import SequenceCache
 
 ATTN_IMPLEMENTATION = "confkv"
@@ -150,6 +150,22 @@ def _fallback(query, key, value, scaling, window: int | None = None):
 _UNSUPPORTED = {"softcap": "logit soft-capping (Gemma 2)", "s_aux": "learned attention sinks (gpt-oss)"}
 
 
+def _check_positions(seqs: list[SequenceCache], m: int, position_ids: torch.Tensor | None) -> None:
+    """Rows at different positions (a ragged batch joined from caches of their own) need each
+    row's own positions, as confkv.decode passes them; ``model.generate`` gives every row one
+    offset (the cache's first row), which would rotate the other rows' keys wrongly."""
+    starts = [seq.stores[0].next_pos - m for seq in seqs]
+    if len(set(starts)) == 1:
+        return
+    fed = None if position_ids is None else position_ids[:, 0].expand(len(seqs)).tolist()
+    if fed != starts:
+        raise ValueError(
+            f"the rows of this cache are at positions {starts} but were fed at {fed}: feed a ragged "
+            "batch with confkv.decode (decode_one_token, forward), which passes each row's positions "
+            "(cache.positions_for_next), not with model.generate"
+        )
+
+
 def _check_window(seqs: list[SequenceCache], layer: int, window: int) -> None:
     """A sliding-window layer (Mistral, Gemma's local layers) must not see a key ``window`` or more
     positions behind its newest query; Conf-KV attention has no window mask, so refuse instead
@@ -172,11 +188,20 @@ def confkv_attention(module, query, key, value, attention_mask, scaling=None, dr
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     layer = module.layer_idx
     cache = pending_cache(layer)
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"this model's attention uses {what} ({name}): Conf-KV attention does not")
-    if cache is not None and kwargs.get("sliding_window"):
-        _check_window(cache.seqs, layer, kwargs["sliding_window"])
+    try:
+        for name, what in _UNSUPPORTED.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"this model's attention uses {what} ({name}): Conf-KV attention does not")
+        if cache is not None and layer == 0 and not cache.packed and not is_driven():
+            _check_positions(cache.seqs, query.shape[2], kwargs.get("position_ids"))
+        if cache is not None and kwargs.get("sliding_window"):
+            _check_window(cache.seqs, layer, kwargs["sliding_window"])
+    except ValueError:
+        if cache is not None:  # refused: this forward's tokens leave the layers that stored them
+            fed = cache.lengths if isinstance(cache, PackedCache) else [query.shape[2]] * len(cache.seqs)
+            for seq, m in zip(cache.seqs, fed, strict=True):
+                seq.rollback(seq.stores[layer].next_pos - m)
+        raise
     if cache is None:
         out = _fallback(query, key, value, scaling, kwargs.get("sliding_window"))
     elif isinstance(cache, PackedCache):

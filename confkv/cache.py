@@ -53,6 +53,11 @@ def all_or_nothing(seqs: Sequence[SequenceCache]) -> Iterator[None]:
         raise
 
 
+def is_driven() -> bool:
+    """Whether this thread's forward is confkv.decode's (it passes each row's own positions)."""
+    return getattr(_DRIVER, "on", False)
+
+
 def pending_cache(layer_idx: int) -> ConfKVCache | None:
     """The ConfKVCache whose ``update`` just ran for ``layer_idx`` on this thread (if any)."""
     cache = getattr(_HANDOFF, "cache", None)
@@ -160,7 +165,7 @@ class ConfKVCache(Cache):
         m = key_states.shape[2]
         if layer_idx == 0:  # once per forward: the batch's arena, while it decodes together
             self.arena = arena_for(self.seqs) if m == 1 and len(self.seqs) > 1 else None
-            if m > 1 and not self._probe_warned and not getattr(_DRIVER, "on", False):
+            if m > 1 and not self._probe_warned and not is_driven():
                 self._warn_no_probe()
         arena = self.arena if m == 1 else None
         if arena is None:

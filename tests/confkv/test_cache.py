@@ -328,6 +328,25 @@ def test_a_forward_that_fails_part_way_leaves_no_token_behind(spec):
     assert [s.seen_tokens for s in cache.seqs] == [40, 40]
 
 
+def test_a_ragged_batch_fed_one_offset_for_every_row_is_refused():
+    """``model(...)`` / ``model.generate`` give every row the first row's offset; rows prefilled
+    alone to different lengths need their own positions, which confkv.decode passes."""
+    model = tiny_llama(layers=2)
+    caches = [ConfKVCache.for_model(model, "full") for _ in range(2)]
+    prompts = [torch.randint(1, 101, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 20)]
+    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, prompts, strict=True)])
+    batch = ConfKVCache([c.seqs[0] for c in caches])
+    tokens = sample(logits)
+    with pytest.raises(ValueError, match=r"positions \[12, 20\] but were fed at \[12, 12\]"), torch.no_grad():
+        model(input_ids=tokens.view(2, 1), past_key_values=batch)
+    assert [s.seen_tokens for s in batch.seqs] == [12, 20]  # the refused step left nothing behind
+    decode_one_token(model, batch, tokens)  # per-row positions: fine
+    positions = batch.positions_for_next(1)
+    with torch.no_grad():
+        model(input_ids=sample(logits).view(2, 1), position_ids=positions, past_key_values=batch)
+    assert [s.seen_tokens for s in batch.seqs] == [14, 22]
+
+
 def test_api_errors_are_value_errors(tiny_model):
     cache = ConfKVCache.for_model(tiny_model, "full")
     with pytest.raises(ValueError, match="empty prompt"):
