@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from confkv.arena import DecodeArena
 from confkv.batched import PackedCache, fold_attention, packed_attention, padded_decode_attention
-from confkv.cache import is_driven, pending_cache
+from confkv.cache import is_driven, pending_cache, roll_back
 from confkv.sequence import SequenceCache
 
 ATTN_IMPLEMENTATION = "confkv"
@@ -199,8 +199,8 @@ def confkv_attention(module, query, key, value, attention_mask, scaling=None, dr
     except ValueError:
         if cache is not None:  # refused: this forward's tokens leave the layers that stored them
             fed = cache.lengths if isinstance(cache, PackedCache) else [query.shape[2]] * len(cache.seqs)
-            for seq, m in zip(cache.seqs, fed, strict=True):
-                seq.rollback(seq.stores[layer].next_pos - m)
+            starts = [seq.stores[layer].next_pos - m for seq, m in zip(cache.seqs, fed, strict=True)]
+            roll_back(cache.seqs, starts)
         raise
     if cache is None:
         out = _fallback(query, key, value, scaling, kwargs.get("sliding_window"))

@@ -47,10 +47,15 @@ def all_or_nothing(seqs: Sequence[SequenceCache]) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for seq, start in zip(seqs, starts, strict=True):
-            if any(store.next_pos != start for store in seq.stores):
-                seq.rollback(start)
+        roll_back(seqs, starts)
         raise
+
+
+def roll_back(seqs: Sequence[SequenceCache], starts: Sequence[int]) -> None:
+    """Every sequence forgets what any of its layers stored at positions >= its start."""
+    for seq, start in zip(seqs, starts, strict=True):
+        if any(store.next_pos != start for store in seq.stores):
+            seq.rollback(start)
 
 
 def is_driven() -> bool:
