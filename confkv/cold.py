@@ -5,7 +5,9 @@ at offset ``pos % S``, so a recalled page brings back a contiguous stretch of th
 and its neighbours) and inserting never searches. Layout (``confkv_kernels.recall_reference``):
   payload  k8, v8 (P, Hkv, S, D) int8, ks, vs (P, Hkv, S) f16, valid, shadow (P, S), ema, cum
            (P, S) on the hot device on CPU; in pinned host memory when the hot tier is on CUDA
-  summary  lo8, hi8 (P, Hkv, D) int8, sscale (P, Hkv) f16 on the hot device (hot bytes)
+  summary  lo8, hi8 (P, Hkv, D) int8, sscale (P, Hkv) f16 on the hot device (hot bytes); kept
+           only when a decode-step trigger scores pages by them (``bounds``): a tier recalled at
+           prompt ends only has none, since the probe reads the cold keys themselves
 Slots of freed pages are reused. A recalled token leaves a *shadow*: its payload stays in its page
 (no longer ``valid``: never scored, voted or recalled again while it is hot), so when it is evicted
 again (a gated step's room is emptied on the next confident step) it only turns valid again: no
@@ -28,16 +30,24 @@ from confkv_kernels.recall_reference import quantize_bounds_ref
 from confkv.memory import KVGeometry
 
 
+def page_summary_bytes(geometry: KVGeometry) -> int:
+    """Bytes of one page's key bounds: lo8 + hi8 (Hkv, D) int8 and one f16 scale per KV head."""
+    return 2 * geometry.n_kv_heads * geometry.head_dim + geometry.n_kv_heads * 2
+
+
 class ColdStore:
-    def __init__(self, geometry: KVGeometry, page: int, device) -> None:
+    def __init__(self, geometry: KVGeometry, page: int, device, bounds: bool = True) -> None:
         self.page = page
+        # key bounds are kept (and count as hot bytes) only when a decode-step trigger scores
+        # pages by them; prompt-end recall reads the cold keys themselves
+        self.bounds = bounds
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self.payload_device = torch.device("cpu") if on_gpu else self.device
         self._pin = on_gpu
         h, d = geometry.n_kv_heads, geometry.head_dim
         self.token_bytes = geometry.int8_token_bytes
-        self.page_summary_bytes = 2 * h * d + h * 2  # lo8 + hi8 + one f16 scale per head
+        self.page_summary_bytes = page_summary_bytes(geometry) if bounds else 0
         self.slot_of: dict[int, int] = {}  # page id -> slot (pages with cold or shadow tokens)
         self.counts: list[int] = []  # cold (valid or queued) tokens per slot
         self.n_pages = 0  # pages holding cold tokens: the live summaries
@@ -55,9 +65,9 @@ class ColdStore:
         self.ema = torch.zeros(0, page, dtype=torch.float32, device=pd)
         self.cum = torch.zeros(0, page, dtype=torch.float32, device=pd)
         self.page_id = torch.full((0,), -1, dtype=torch.long, device=pd)
-        self.lo8 = torch.zeros(0, h, d, dtype=torch.int8, device=sd)
-        self.hi8 = torch.zeros(0, h, d, dtype=torch.int8, device=sd)
-        self.sscale = torch.zeros(0, h, dtype=torch.float16, device=sd)
+        self.lo8 = torch.zeros(0, h, d if bounds else 0, dtype=torch.int8, device=sd)
+        self.hi8 = torch.zeros(0, h, d if bounds else 0, dtype=torch.int8, device=sd)
+        self.sscale = torch.zeros(0, h if bounds else 0, dtype=torch.float16, device=sd)
         self.live = torch.zeros(0, dtype=torch.bool, device=sd)
         # keys evicted since the bounds were last widened (slot, k8, ks per token; on the
         # hot device): widening is batched, at most a page of tokens late, and always done
@@ -182,6 +192,8 @@ class ColdStore:
         tk, tv = tokens["k"].to(pd, non_blocking=True), tokens["v"].to(pd, non_blocking=True)
         tks, tvs = tokens["ks"].to(pd, non_blocking=True), tokens["vs"].to(pd, non_blocking=True)
         scatter_pages(self.k8, self.v8, self.ks, self.vs, self.valid, slot_t, off_t, tk, tv, tks, tvs)
+        if not self.bounds:
+            return
         self._pending.append((slot_t.to(self.device), tokens["k"], tokens["ks"]))
         self._pending_n += slot_t.shape[0]
 
@@ -237,6 +249,8 @@ class ColdStore:
     # -- out -------------------------------------------------------------------------------------------
     def scores(self, q: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
         """(capacity,) upper bound of each page's best relative log-weight; -inf for free slots."""
+        if not self.bounds:
+            raise RuntimeError("this cold tier keeps no key bounds (prompt-end recall only)")
         self.settle()
         self.flush_bounds()
         s = page_scores(q, self.lo8, self.hi8, self.sscale, lse, scaling)

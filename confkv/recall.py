@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from confkv_kernels.reference import dequantize_int8_ref
 
-from confkv.cold import ColdStore
+from confkv.cold import ColdStore, page_summary_bytes
 from confkv.memory import KVGeometry
 from confkv.policies import CachePolicy, GatedPolicy
 from confkv.storage import LayerStore
@@ -117,7 +117,10 @@ class RecallTier:
     def __init__(self, policy: CachePolicy, geometry: KVGeometry, device, generator: torch.Generator) -> None:
         self.policy = policy
         self.geometry = geometry
-        self.cold = [ColdStore(geometry, policy.page, device) for _ in range(geometry.n_layers)]
+        # page bounds (hot bytes) only where a decode step scores pages by them: gated, random or
+        # periodic recall; prompt-end recall reads the cold keys and needs none
+        bounds = policy.recall_trigger != "prompt"
+        self.cold = [ColdStore(geometry, policy.page, device, bounds) for _ in range(geometry.n_layers)]
         self.generator = generator
         self.mode = RecallMode.NONE
         self.steps = 0
@@ -131,10 +134,11 @@ class RecallTier:
         floor = policy.n_low if isinstance(policy, GatedPolicy) else policy.budget_rule().peak
         # the per-layer budgets of a confident step: what the prompt-end choice must fit in
         self.floors = policy.layer_budgets(floor, geometry.n_layers)
-        page_bytes = self.cold[0].page_summary_bytes
+        page_bytes = page_summary_bytes(geometry)
         # summaries take hot slots, so they may never squeeze a layer below what it must hold
         # (the protected window, the sinks and the incoming token): a layer whose confident-step
-        # budget has no slot to spare (a deep pyramid layer at its minimum) keeps no cold pages
+        # budget has no slot to spare (a deep pyramid layer at its minimum) keeps no cold pages.
+        # A tier without bounds keeps the same page limit, so its host bytes are those of one with
         self.max_pages = [
             min(
                 max(1, int(SUMMARY_SHARE * f * slot) // page_bytes),

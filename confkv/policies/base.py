@@ -41,11 +41,12 @@ class CachePolicy:
     the most important hot tokens and cold pages (at most ``rtok`` recalled tokens; 0: half the
     layer budget, at least a page) take the slots the protected tokens leave. On decode steps
     ``trigger`` decides:
-    ``gate`` (confkv: an unsure step fills the n_high - n_low room with the pages whose key
-    bounds score best), ``random`` (steps drawn at ``rate``), ``every`` (every ``every`` steps)
-    or ``prompt`` (prompt ends only). Recalled tokens are pinned for ``hold`` positions.
-    ``cold_bytes`` bounds the cold tier per sequence (the least attended pages are dropped and
-    counted); page summaries count as hot bytes.
+    ``prompt`` (the default: prompt ends only), ``gate`` (confkv: an unsure step fills the
+    n_high - n_low room with the pages whose key bounds score best), ``random`` (steps drawn at
+    ``rate``) or ``every`` (every ``every`` steps). Recalled tokens are pinned for ``hold``
+    positions. ``cold_bytes`` bounds the cold tier per sequence (the least attended pages are
+    dropped and counted). The decode-step triggers score pages by key bounds kept on the hot
+    device (page summaries, counted as hot bytes); a ``prompt`` tier keeps none.
     """
 
     name: ClassVar[str] = "base"
@@ -121,10 +122,10 @@ class CachePolicy:
 
     @property
     def recall_trigger(self) -> str:
-        """The decode-step trigger: the spec's, else ``gate`` on gated policies, else ``prompt``."""
-        if self.trigger is not None:
-            return self.trigger
-        return "gate" if isinstance(self, GatedPolicy) else "prompt"
+        """The decode-step trigger: the spec's, else ``prompt`` (prompt ends only: on the dev
+        sets decode-time recall found nothing the prompt-end probe had not, and cost time and
+        the page summaries' hot slots; reports/REPRODUCTION.md, "The default trigger")."""
+        return self.trigger if self.trigger is not None else "prompt"
 
     # -- what subclasses provide -------------------------------------------------------------
     def budget_rule(self) -> FixedBudget | GatedBudget:

@@ -24,6 +24,7 @@ from tests.helpers import tiny_llama
 
 GEOM = KVGeometry(n_layers=1, n_kv_heads=2, head_dim=16, dtype_bytes=4)
 RECALL_SPECS = [
+    "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,trigger=gate",
     "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8",
     "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=8,trigger=random,rate=0.3",
     "confkv:n_high=64,n_low=48,p=8,s=2,recall=1,page=16,trigger=every,every=5,pyramid=1",
@@ -33,7 +34,7 @@ RECALL_SPECS = [
     "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8,obs=4",
     "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,vote=sum,pool=1,norm=max",
     # the deepest pyramid layer sits at p+s+1: no slot to spare for a page summary (fuzz)
-    "confkv:n_high=24,n_low=20,p=8,s=2,pyramid=1,int8=1,w=8,recall=1,page=4",
+    "confkv:n_high=24,n_low=20,p=8,s=2,pyramid=1,int8=1,w=8,recall=1,page=4,trigger=gate",
 ]
 
 
@@ -226,6 +227,34 @@ def test_hot_bytes_within_budget_and_tokens_conserved(tiny_model, token_ids, spe
         assert seq.stats.peak_cold_bytes <= seq.policy.cold_bytes
 
 
+@pytest.mark.parametrize(
+    "spec",
+    ["h2o:n=64,recall=1,page=8", "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8"],
+)
+def test_prompt_end_only_tiers_keep_no_page_bounds(tiny_model, token_ids, spec):
+    """With no decode-step trigger (the default, ``trigger=prompt``) nothing scores pages by their
+    key bounds (the prompt-end probe reads the cold keys), so the tier keeps none: no hot bytes,
+    no hot slots for summaries, and the same page limit as a tier with bounds. A gated tier on
+    the same text keeps them."""
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    seq = cache.seqs[0]
+    assert seq.policy.recall_trigger == "prompt"
+    teacher_forced_logits(tiny_model, cache, token_ids[:, :240], prefix=150)
+    assert seq.stats.recalled_tokens > 0 and seq.cold_nbytes() > 0
+    for layer, (store, cold) in enumerate(zip(seq.stores, seq.tier.cold, strict=True)):
+        assert not cold.bounds and cold.n_pages > 0 and cold.summary_bytes() == 0
+        assert cold.lo8.numel() == cold.hi8.numel() == cold.sscale.numel() == 0 and not cold._pending
+        assert seq.hot_budget(layer) == seq.layer_budgets[layer]
+        assert seq.layer_bytes[layer] == store.nbytes()
+        with pytest.raises(RuntimeError, match="no key bounds"):
+            cold.scores(torch.zeros(4, 1, 16), torch.zeros(4, 1), 0.25)
+    if spec.startswith("confkv"):  # the same tier with the confidence gate keeps bounds
+        gated = ConfKVCache.for_model(tiny_model, spec + ",trigger=gate")
+        teacher_forced_logits(tiny_model, gated, token_ids[:, :240], prefix=150)
+        assert sum(c.summary_bytes() for c in gated.seqs[0].tier.cold) > 0
+        assert gated.seqs[0].tier.max_pages == seq.tier.max_pages
+
+
 @pytest.mark.parametrize("cold_bytes", [1, 100])
 def test_a_cold_bound_below_one_token_per_layer_keeps_nothing_cold(tiny_model, token_ids, cold_bytes):
     """``cold_bytes`` smaller than one INT8 token per layer is a bound of zero tokens, not "no
@@ -262,7 +291,9 @@ def test_a_prompt_fed_by_model_generate_warns_that_the_probe_did_not_run(tiny_mo
 
 def test_gated_recall_reads_cold_only_on_unsure_steps(tiny_model, token_ids):
     """trigger=gate: recall events happen at the prompt end and on steps with c < tau only."""
-    cache = ConfKVCache.for_model(tiny_model, "confkv:n_high=64,n_low=40,p=8,s=2,recall=1,page=8,tau=0.02")
+    cache = ConfKVCache.for_model(
+        tiny_model, "confkv:n_high=64,n_low=40,p=8,s=2,recall=1,page=8,tau=0.02,trigger=gate"
+    )
     seq = cache.seqs[0]
     fired = []
     decide = seq.tier.decide
@@ -289,7 +320,8 @@ def test_recall_spec_validation():
     for bad in bad_specs:
         with pytest.raises(ValueError):
             parse_policy(bad)
-    assert parse_policy("confkv:int8=1,recall=1").recall_trigger == "gate"
+    assert parse_policy("confkv:int8=1,recall=1").recall_trigger == "prompt"  # the default
+    assert parse_policy("confkv:int8=1,recall=1,trigger=gate").recall_trigger == "gate"
     assert parse_policy("h2o:recall=1").recall_trigger == "prompt"
     # recall keys without recall=1 would silently do nothing: they are refused, with the fix
     for idle in ("h2o:n=64,page=8", "confkv:rtok=8,int8=1", "window:n=16,recall=0,vote=sum,cold_bytes=9"):
