@@ -10,6 +10,8 @@ Triggers:
               re-selected by that importance (the best hot tokens and cold pages, at most
               ``rtok`` recalled tokens, fill the unprotected slots; what they displace goes
               cold), and the tail runs for real.
+  (decode steps recall only when a spec asks: ``trigger=prompt`` is the default, and such a tier
+  keeps no page bounds)
   gate        confkv: an unsure step (c < tau) gets the n_high budget and the room above the
               hot set is *filled* with the pages whose key bounds score best against the
               step's query (Quest-style, ``confkv_kernels.page_scores``); confident steps read
