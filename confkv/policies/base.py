@@ -122,9 +122,10 @@ class CachePolicy:
 
     @property
     def recall_trigger(self) -> str:
-        """The decode-step trigger: the spec's, else ``prompt`` (prompt ends only: on the dev
-        sets decode-time recall found nothing the prompt-end probe had not, and cost time and
-        the page summaries' hot slots; reports/REPRODUCTION.md, "The default trigger")."""
+        """The decode-step trigger: the spec's, else ``prompt`` (prompt ends only: decode-time
+        recall answered no more than the prompt-end probe alone, within one item per set, and
+        cost time and the page summaries' hot slots; reports/REPRODUCTION.md, "The default
+        trigger")."""
         return self.trigger if self.trigger is not None else "prompt"
 
     # -- what subclasses provide -------------------------------------------------------------
