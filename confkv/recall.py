@@ -140,7 +140,7 @@ class RecallTier:
         # summaries take hot slots, so they may never squeeze a layer below what it must hold
         # (the protected window, the sinks and the incoming token): a layer whose confident-step
         # budget has no slot to spare (a deep pyramid layer at its minimum) keeps no cold pages.
-        # A tier without bounds keeps the same page limit, so its host bytes are those of one with
+        # A tier without bounds keeps the same page limit (its host bytes are those of one with them).
         self.max_pages = [
             min(
                 max(1, int(SUMMARY_SHARE * f * slot) // page_bytes),
