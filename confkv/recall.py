@@ -186,8 +186,10 @@ class RecallTier:
             fire = self.steps % self.policy.every == 0
         else:
             fire = False
-        gated = isinstance(self.policy, GatedPolicy)
-        self.mode = (RecallMode.FILL if gated else RecallMode.SWAP) if fire else RecallMode.NONE
+        # a gated step fills the n_high - n_low room; with no room (n_low = n_high) it swaps
+        pol = self.policy
+        fills = isinstance(pol, GatedPolicy) and pol.n_low < pol.n_high
+        self.mode = (RecallMode.FILL if fills else RecallMode.SWAP) if fire else RecallMode.NONE
         self.trigger_steps += int(fire)
         return fire
 

@@ -42,7 +42,8 @@ class CachePolicy:
     layer budget, at least a page) take the slots the protected tokens leave. On decode steps
     ``trigger`` decides:
     ``prompt`` (the default: prompt ends only), ``gate`` (confkv: an unsure step fills the
-    n_high - n_low room with the pages whose key bounds score best), ``random`` (steps drawn at
+    n_high - n_low room with the pages whose key bounds score best; with n_low = n_high it swaps
+    them, at most ``rtok`` tokens, for the lowest-scored hot ones), ``random`` (steps drawn at
     ``rate``) or ``every`` (every ``every`` steps). Recalled tokens are pinned for ``hold``
     positions. ``cold_bytes`` bounds the cold tier per sequence (the least attended pages are
     dropped and counted). The decode-step triggers score pages by key bounds kept on the hot

@@ -23,6 +23,7 @@ from confkv.policies.base import GatedPolicy
 from confkv.policies.select import TokenStats, protected_mask
 
 NORMS = ("max", "free", "rank")
+ATTNS = ("ema", "sum", "mean")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class ConfKVPolicy(GatedPolicy):
     alpha: float = 0.9  # tuned on Emma: mostly EMA attention, recency breaks ties
     norm: str = "max"
     pool: int = 1
+    # ema: the EMA of received attention (decay); sum: its plain sum, as H2O ranks; mean: the sum
+    # over the token's age (steps since it was written)
+    attn: str = "ema"
     # With recall=1 a fact comes back through the cold tier, so the ranking can serve reading:
     # the EMA by rank, gentler confident-step pruning and span pooling (dev perplexity 25.10 vs
     # 25.26, dev agent recall 93% of full; reports/REPRODUCTION.md, "The probe's vote and the
@@ -44,6 +48,8 @@ class ConfKVPolicy(GatedPolicy):
             raise ValueError(f"confkv: alpha must be in [0, 1], got {self.alpha}")
         if self.norm not in NORMS:
             raise ValueError(f"confkv: norm is one of {', '.join(NORMS)}, not {self.norm!r}")
+        if self.attn not in ATTNS:
+            raise ValueError(f"confkv: attn is one of {', '.join(ATTNS)}, not {self.attn!r}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"confkv: pool must be an odd number >= 1, got {self.pool}")
 
@@ -52,7 +58,7 @@ class ConfKVPolicy(GatedPolicy):
         return score if self.pool == 1 else _pooled(score, stats.positions, self.pool, stats.valid)
 
     def _attention(self, stats: TokenStats) -> torch.Tensor:
-        ema = stats.ema
+        ema = _received(stats, self.attn)
         if self.norm == "rank":
             n = ema.shape[-1]
             order = (ema if stats.valid is None else ema.masked_fill(~stats.valid, -float("inf"))).argsort(
@@ -71,6 +77,14 @@ class ConfKVPolicy(GatedPolicy):
                 free &= stats.valid
             top = torch.where(free.any(-1, keepdim=True), stats.row_max(ema, where=free), top)
         return ema / top.clamp_min(1e-12)
+
+
+def _received(stats: TokenStats, attn: str) -> torch.Tensor:
+    if attn == "ema":
+        return stats.ema
+    if attn == "sum":
+        return stats.cumulative
+    return stats.cumulative / (stats.now - stats.positions).clamp_min(1).float()
 
 
 def _pooled(score: torch.Tensor, positions: torch.Tensor, k: int, valid: torch.Tensor | None) -> torch.Tensor:

@@ -166,6 +166,21 @@ def test_confkv_rank_norm_is_the_ema_order():
     assert scores.tolist() == pytest.approx([0.8, 0.2, 0.6, 0.4, 1.0, 0.0])
 
 
+def test_confkv_attn_picks_the_received_attention_signal():
+    """attn=ema ranks by the EMA, sum by the cumulative mass (H2O's signal), mean by the
+    cumulative mass over each token's age."""
+    positions = torch.tensor([0, 1, 2, 3])
+    ema = torch.tensor([0.0, 3.0, 2.0, 1.0])
+    cum = torch.tensor([8.0, 1.0, 3.0, 2.0])  # over ages 4, 3, 2, 1: means 2, 1/3, 1.5, 2
+    stats = TokenStats(positions, ema, cum, 4)
+    spec = "confkv:n_high=4,n_low=3,p=1,s=0,alpha=1,norm=max"
+    assert parse_policy(spec).score(stats).tolist() == pytest.approx([0.0, 1.0, 2 / 3, 1 / 3])
+    assert parse_policy(spec + ",attn=sum").score(stats).tolist() == pytest.approx([1.0, 0.125, 0.375, 0.25])
+    assert parse_policy(spec + ",attn=mean").score(stats).tolist() == pytest.approx([1.0, 1 / 6, 0.75, 1.0])
+    with pytest.raises(ValueError, match="attn"):
+        parse_policy("confkv:attn=max")
+
+
 def test_confkv_norm_is_validated():
     with pytest.raises(ValueError, match="norm"):
         parse_policy("confkv:norm=softmax")
@@ -195,6 +210,7 @@ ROW_SPECS = [
     "recency:n_high=16,n_low=12,p=3,s=2",
     "attention:n_high=16,n_low=12,p=3,s=2",
     *(f"confkv:n_high=16,n_low=12,p=3,s=2,norm={norm},pool={pool}" for norm in NORMS for pool in (1, 3, 5)),
+    *(f"confkv:n_high=16,n_low=12,p=3,s=2,norm=rank,attn={attn}" for attn in ("sum", "mean")),
 ]
 
 

@@ -18,7 +18,7 @@ from confkv.cold import ColdStore
 from confkv.decode import forward, prefill, teacher_forced_logits
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
-from confkv.recall import cold_positions
+from confkv.recall import RecallMode, cold_positions
 from confkv.storage import LayerStore
 from tests.helpers import tiny_llama
 
@@ -33,6 +33,8 @@ RECALL_SPECS = [
     "window:n=64,recall=1,page=4,trigger=every,every=3",
     "confkv:int8=1,w=16,p=16,recall=1,bytes=40000,page=8,obs=4",
     "confkv:n_high=64,n_low=48,p=8,s=2,int8=1,w=16,recall=1,page=8,vote=sum,pool=1,norm=max",
+    # no n_high - n_low room: an unsure step swaps rtok tokens instead of filling
+    "confkv:n_high=64,n_low=64,p=8,s=2,int8=1,w=16,recall=1,page=8,trigger=gate,tau=0.5,rtok=16,attn=sum",
     # the deepest pyramid layer sits at p+s+1: no slot to spare for a page summary (fuzz)
     "confkv:n_high=24,n_low=20,p=8,s=2,pyramid=1,int8=1,w=8,recall=1,page=4,trigger=gate",
 ]
@@ -305,6 +307,30 @@ def test_gated_recall_reads_cold_only_on_unsure_steps(tiny_model, token_ids):
     seq.tier.decide = spy
     teacher_forced_logits(tiny_model, cache, token_ids[:, :160], prefix=80)
     assert fired and all(f == u for u, f in fired)
+
+
+def test_gated_recall_without_room_swaps_on_unsure_steps(tiny_model, token_ids):
+    """n_low = n_high leaves an unsure step no room to fill: it swaps up to ``rtok`` tokens with
+    the lowest-scored hot ones (the hot size stays), and confident steps read nothing cold."""
+    spec = "confkv:n_high=64,n_low=64,p=8,s=2,recall=1,page=8,tau=0.5,rtok=16,trigger=gate"
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    seq = cache.seqs[0]
+    modes = []
+    decide = seq.tier.decide
+
+    def spy(unsure):  # every other step unsure (a random model's confidence barely moves)
+        unsure = len(modes) % 2 == 0
+        fire = decide(unsure)
+        modes.append((unsure, seq.tier.mode))
+        return fire
+
+    seq.tier.decide = spy
+    teacher_forced_logits(tiny_model, cache, token_ids[:, :200], prefix=80)
+    assert {m for u, m in modes if u} == {RecallMode.SWAP}
+    assert {m for u, m in modes if not u} == {RecallMode.NONE}
+    events = [e for e in seq.tier.pop_events() if e.mode == "swap"]
+    assert events and max(e.tokens for e in events) <= 16
+    assert all(len(store) <= 64 for store in seq.stores)
 
 
 def test_recall_spec_validation():
