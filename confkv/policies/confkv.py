@@ -7,6 +7,9 @@ alone. ``free`` divides by the largest EMA among the tokens that may be evicted.
 each token's rank by EMA (0 = least attended, 1 = most), so the mix does not depend on how
 heavy-tailed attention is.
 
+``attn`` picks the received-attention signal that is normalized: ``ema`` (default), ``sum`` (the
+plain sum, H2O's signal) or ``mean`` (that sum over the token's age).
+
 ``pool=K`` (odd, default 1: off) max-pools the score over each token's K nearest kept neighbours
 by position (as SnapKV pools its votes), so a heavily attended token keeps the span around it and
 eviction removes whole low-scored spans instead of scattering holes through the text.
@@ -58,25 +61,25 @@ class ConfKVPolicy(GatedPolicy):
         return score if self.pool == 1 else _pooled(score, stats.positions, self.pool, stats.valid)
 
     def _attention(self, stats: TokenStats) -> torch.Tensor:
-        ema = _received(stats, self.attn)
+        got = _received(stats, self.attn)
         if self.norm == "rank":
-            n = ema.shape[-1]
-            order = (ema if stats.valid is None else ema.masked_fill(~stats.valid, -float("inf"))).argsort(
+            n = got.shape[-1]
+            order = (got if stats.valid is None else got.masked_fill(~stats.valid, -float("inf"))).argsort(
                 dim=-1, stable=True
             )
-            slots = torch.arange(n, dtype=torch.float32, device=ema.device).expand_as(ema)
-            ranks = torch.empty_like(ema, dtype=torch.float32).scatter_(-1, order, slots)
+            slots = torch.arange(n, dtype=torch.float32, device=got.device).expand_as(got)
+            ranks = torch.empty_like(got, dtype=torch.float32).scatter_(-1, order, slots)
             live = stats.live()
             if stats.valid is not None:  # padding ranked first: a row's live slots rank from 0
                 ranks = ranks - (n - live)
             return ranks / (live - 1).clamp_min(1)
-        top = stats.row_max(ema)
+        top = stats.row_max(got)
         if self.norm == "free":
             free = ~protected_mask(stats.positions, stats.now - self.protected, self.s)
             if stats.valid is not None:
                 free &= stats.valid
-            top = torch.where(free.any(-1, keepdim=True), stats.row_max(ema, where=free), top)
-        return ema / top.clamp_min(1e-12)
+            top = torch.where(free.any(-1, keepdim=True), stats.row_max(got, where=free), top)
+        return got / top.clamp_min(1e-12)
 
 
 def _received(stats: TokenStats, attn: str) -> torch.Tensor:
