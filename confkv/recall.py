@@ -193,8 +193,11 @@ class RecallTier:
         self.trigger_steps += int(fire)
         return fire
 
-    def swap_tokens(self, layer_budget: int) -> int:
-        return self.policy.rtok or max(self.policy.page, layer_budget // 2)
+    def swap_tokens(self, layer_budget: int, step: bool = False) -> int:
+        """Most tokens one recall brings back: at a prompt end ``rtok``; on a decode step
+        (``step``) ``stok``, else ``rtok``'s rule. 0: half the layer budget, at least a page."""
+        limit = (self.policy.stok if step else 0) or self.policy.rtok
+        return limit or max(self.policy.page, layer_budget // 2)
 
     # -- store hooks ------------------------------------------------------------------------------------
     def add_evicted(self, layer: int, tokens: dict[str, torch.Tensor]) -> int:

@@ -234,7 +234,7 @@ class SequenceCache:
     # -- recall ------------------------------------------------------------------------------------------
     def maybe_recall(self, layer: int, q: torch.Tensor, scaling: float) -> int:
         """Before ``layer`` attends with q (Hq, M, D): if this forward is armed, bring back the
-        cold pages the queries point at (fill the free room, or swap up to ``rtok`` tokens with
+        cold pages the queries point at (fill the free room, or swap up to ``stok`` tokens with
         the lowest-scored hot ones), or only vote (prompt-end probe). Returns tokens recalled."""
         tier = self.tier
         if tier is None or tier.mode is RecallMode.NONE:
@@ -252,7 +252,7 @@ class SequenceCache:
         if self.tier is None or self.tier.mode is RecallMode.FILL:
             return free
         movable = budget - self.policy.protected - self.policy.s - 1
-        return max(free, min(self.tier.swap_tokens(budget), movable))
+        return max(free, min(self.tier.swap_tokens(budget, step=True), movable))
 
     def _bring_back(self, layer: int, tokens: dict[str, torch.Tensor] | None) -> int:
         """Insert recalled tokens, first evicting (to cold) what they displace: the hot set

@@ -55,7 +55,7 @@ def _convert(name: str, key: str, raw: str, annotation) -> object:
 
 
 # keys of the recall tier (``CachePolicy``): a spec without recall=1 that gives one is a mistake
-RECALL_KEYS = ("page", "rtok", "obs", "hold", "trigger", "rate", "every", "cold_bytes", "vote")
+RECALL_KEYS = ("page", "rtok", "stok", "obs", "hold", "trigger", "rate", "every", "cold_bytes", "vote")
 
 
 def parse_policy(spec: str) -> CachePolicy:

@@ -43,8 +43,8 @@ class CachePolicy:
     ``trigger`` decides:
     ``prompt`` (the default: prompt ends only), ``gate`` (confkv: an unsure step fills the
     n_high - n_low room with the pages whose key bounds score best; with n_low = n_high it swaps
-    them, at most ``rtok`` tokens, for the lowest-scored hot ones), ``random`` (steps drawn at
-    ``rate``) or ``every`` (every ``every`` steps). Recalled tokens are pinned for ``hold``
+    them, at most ``stok`` tokens (0: as ``rtok``), for the lowest-scored hot ones), ``random``
+    (steps drawn at ``rate``) or ``every`` (every ``every`` steps). Recalled tokens are pinned for ``hold``
     positions. ``cold_bytes`` bounds the cold tier per sequence (the least attended pages are
     dropped and counted). The decode-step triggers score pages by key bounds kept on the hot
     device (page summaries, counted as hot bytes); a ``prompt`` tier keeps none.
@@ -71,6 +71,7 @@ class CachePolicy:
     recall: bool = False
     page: int = 32
     rtok: int = 0
+    stok: int = 0  # tokens a decode-step swap brings back (0: as rtok)
     obs: int = 32
     hold: int = 16
     trigger: str | None = None  # gate | prompt | random | every
@@ -104,8 +105,8 @@ class CachePolicy:
             return
         if not self.evicts:
             raise ValueError(f"{self.name}: recall=1 needs an evicting policy ({self.name} keeps everything)")
-        if self.page < 1 or self.obs < 1 or self.hold < 0 or self.rtok < 0 or self.every < 0:
-            raise ValueError(f"{self.name}: page and obs must be >= 1, hold, rtok and every >= 0")
+        if self.page < 1 or self.obs < 1 or min(self.hold, self.rtok, self.stok, self.every) < 0:
+            raise ValueError(f"{self.name}: page and obs must be >= 1, hold, rtok, stok and every >= 0")
         if self.trigger not in (None, "gate", "prompt", "random", "every"):
             raise ValueError(
                 f"{self.name}: trigger is one of gate, prompt, random or every, not {self.trigger!r}"

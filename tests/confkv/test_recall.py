@@ -18,7 +18,7 @@ from confkv.cold import ColdStore
 from confkv.decode import forward, prefill, teacher_forced_logits
 from confkv.memory import KVGeometry
 from confkv.policies import parse_policy
-from confkv.recall import RecallMode, cold_positions
+from confkv.recall import RecallMode, RecallTier, cold_positions
 from confkv.storage import LayerStore
 from tests.helpers import tiny_llama
 
@@ -331,6 +331,29 @@ def test_gated_recall_without_room_swaps_on_unsure_steps(tiny_model, token_ids):
     events = [e for e in seq.tier.pop_events() if e.mode == "swap"]
     assert events and max(e.tokens for e in events) <= 16
     assert all(len(store) <= 64 for store in seq.stores)
+
+
+def test_stok_bounds_decode_step_swaps_and_leaves_prompt_end_recall_to_rtok(tiny_model, token_ids):
+    """``stok`` caps what one decode-step swap brings back; the prompt-end probe keeps ``rtok``'s
+    rule (0: half the budget), and ``stok=0`` falls back to ``rtok`` (every older spec's meaning)."""
+    def make(spec: str) -> RecallTier:
+        return RecallTier(parse_policy(spec), GEOM, "cpu", torch.Generator())
+
+    tier = make("confkv:n_high=64,n_low=64,p=8,recall=1,stok=8")
+    assert tier.swap_tokens(64, step=True) == 8
+    assert tier.swap_tokens(64) == 32  # prompt end: half the budget
+    tier = make("confkv:n_high=64,n_low=64,p=8,recall=1,rtok=16")
+    assert tier.swap_tokens(64, step=True) == tier.swap_tokens(64) == 16
+    # in a run: every decode-step swap brings back at most stok tokens
+    spec = "confkv:n_high=64,n_low=64,p=8,s=2,recall=1,page=4,trigger=every,every=2,stok=8"
+    cache = ConfKVCache.for_model(tiny_model, spec)
+    teacher_forced_logits(tiny_model, cache, token_ids[:, :200], prefix=80)
+    steps = [e for e in cache.seqs[0].tier.pop_events() if e.position > 80]
+    assert steps and max(e.tokens for e in steps) <= 8
+    with pytest.raises(ValueError, match="stok"):
+        parse_policy("confkv:recall=1,stok=-1")
+    with pytest.raises(ValueError, match="only with recall=1"):
+        parse_policy("confkv:stok=8")
 
 
 def test_recall_spec_validation():
