@@ -7,7 +7,7 @@ import json
 import pytest
 
 from confkv.eval.niah import NiahConfig, make_items
-from confkv.eval.recall import RecallConfig, is_correct, load_items, prompt_ids, run_recall
+from confkv.eval.recall import RecallConfig, is_correct, item_seed, load_items, prompt_ids, run_recall
 
 ITEM = {
     "id": "a",
@@ -65,6 +65,24 @@ def test_run_recall_keep_all_matches_full(chat_llama, chat_tokenizer):
         assert 0.0 <= results[spec]["accuracy"] <= 1.0
         assert results[spec]["items"] == 2
     assert results["window:n=16"]["peak_kv_bytes"] < results["full"]["peak_kv_bytes"]
+
+
+def test_random_trigger_draws_its_steps_per_item(chat_llama, chat_tokenizer):
+    """Each item's sequence gets a seed of its own (stable: from its id), so a ``trigger=random``
+    control fires on different steps in different items and its realized rate follows ``rate``;
+    a run is still reproducible."""
+    items = [{**ITEM, "id": f"item-{i}"} for i in range(12)]
+    n = prompt_ids(chat_tokenizer, ITEM).shape[1]
+    spec = f"h2o:n={n // 2},recall=1,page=4,trigger=random,rate=0.5"
+    config = RecallConfig((spec,), max_new_tokens=6)
+    results, per_item = run_recall(chat_llama, chat_tokenizer, items, config)
+    fired = [row["outputs"][spec]["recall_steps"] for row in per_item]
+    assert len(set(fired)) > 1  # one shared seed made every item fire alike
+    steps = results[spec]["decode_steps"]
+    assert 0.2 * steps < results[spec]["recall_steps"] < 0.8 * steps
+    again, _ = run_recall(chat_llama, chat_tokenizer, items[::-1], config)
+    assert again[spec]["recall_steps"] == results[spec]["recall_steps"]  # order does not matter
+    assert item_seed("item-1") != item_seed("item-2")
 
 
 def test_niah_items_have_the_requested_length_and_depth(chat_tokenizer):
