@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,16 @@ from confkv.memory import KVGeometry
 from confkv.policies import CachePolicy, GatedPolicy, TokenStats, select_keep
 from confkv.recall import RecallEvent, RecallMode, RecallTier
 from confkv.storage import LayerStore
+
+
+def seed_of(name: str) -> int:
+    """A sequence seed of its own for a named sequence (an eval item, a worker session), stable
+    across runs and order: a ``trigger=random`` control then draws its steps independently per
+    sequence (with one seed for all, every sequence fired on the same steps, and on short
+    answers the realized rate was that seed's first few draws, not ``rate``). Policies with a
+    ``seed`` key (``random``) keep theirs."""
+    return zlib.crc32(name.encode())
+
 
 _PIN_BONUS = 1e9  # pinned (just recalled) tokens outrank every unpinned one; the budget stays hard
 

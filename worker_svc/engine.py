@@ -31,7 +31,7 @@ from confkv.cache import ConfKVCache
 from confkv.decode import forward, next_prefill_chunk, observation_window, prompt_end_forward, sample
 from confkv.linear import install, onednn_linears
 from confkv.memory import KVGeometry
-from confkv.sequence import SequenceCache
+from confkv.sequence import SequenceCache, seed_of
 from worker_svc import admission
 from worker_svc.codec import ChatCodec
 from worker_svc.kvpool import KVPool
@@ -434,7 +434,9 @@ class Engine:
         else:
             if session.seq is not None:
                 log.info("rebuilding cache", extra={"session_id": session.session_id})
-            session.seq = SequenceCache(session.policy, self.geometry, self.dtype, self.device)
+            session.seq = SequenceCache(
+                session.policy, self.geometry, self.dtype, self.device, seed_of(session.session_id)
+            )
             session.fed_ids = []
             turn.pending = list(ids)
         turn.prompt_tokens = len(turn.pending)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tqdm import tqdm
 from confkv.cache import ConfKVCache
 from confkv.decode import decode_one_token, generate, prefill
 from confkv.eval.common import geometry_of, matched_policies, recall_fields
+from confkv.sequence import seed_of
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,6 @@ def is_correct(continuation: str, answer: str) -> bool:
     return continuation.strip().lstrip("\"'`*(").strip().startswith(answer.strip())
 
 
-def item_seed(item_id: str) -> int:
-    """A sequence seed of its own for each item, stable across runs and item order: a
-    ``trigger=random`` control then draws its steps independently per item (with one seed for
-    all, every item fired on the same steps, and on short answers the realized rate was that
-    seed's first few draws, not ``rate``). Policies with a ``seed`` key keep theirs."""
-    return zlib.crc32(item_id.encode())
-
-
 def _answer(model, tok, policy, ids, config: RecallConfig, seed: int = 0) -> dict:
     cache = ConfKVCache.for_model(model, policy, seed=seed)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
@@ -132,7 +124,7 @@ def run_recall(model, tok, items: list[dict], config: RecallConfig, progress: bo
         ids = prompt_ids(tok, item)
         row = {"id": item["id"], "answer": item["answer"], "prompt_tokens": int(ids.shape[1]), "outputs": {}}
         for spec, policy in zip(config.specs, policies, strict=True):
-            ans = _answer(model, tok, policy, ids, config, item_seed(item["id"]))
+            ans = _answer(model, tok, policy, ids, config, seed_of(item["id"]))
             ans["correct"] = is_correct(ans["text"], item["answer"])
             row["outputs"][spec] = ans
             agg[spec].append(ans)

@@ -9,6 +9,7 @@ from confkv.attention import enable
 from confkv.batched import PackedCache, packed_forward
 from confkv.cache import ConfKVCache
 from confkv.decode import forward, generate
+from confkv.sequence import seed_of
 from tests.helpers import printable_byte_llama, tiny_llama
 from worker_svc.codec import ByteChatCodec
 from worker_svc.engine import Engine
@@ -97,6 +98,20 @@ def test_footprint_equals_exact_cache_bytes_every_step(make_engine):
     assert fp.active_sessions == fp.queued_requests == 0 and fp.open_sessions == 4
     assert all(s.state is SessionState.IDLE and s.turns == 3 for s in fp.sessions)
     assert fp.reserved_bytes == fp.used_bytes  # idle sessions reserve what they hold
+
+
+def test_each_session_draws_from_a_seed_of_its_own(make_engine):
+    """A session's sequence is seeded from its id (``confkv.sequence.seed_of``), so a
+    ``trigger=random`` control fires on different steps in different sessions, reproducibly."""
+    engine = make_engine()
+    for sid in ("alpha", "beta"):
+        engine.open_session(sid, "h2o:n=24,recall=1,page=4,trigger=random,rate=0.5", [])
+        engine.submit(TurnRequest(sid, user(PROMPTS[2]), max_new_tokens=4))
+    while engine.step():
+        pass
+    seeds = {sid: s.seq.generator.initial_seed() for sid, s in engine.sessions.items()}
+    assert seeds == {"alpha": seed_of("alpha"), "beta": seed_of("beta")}
+    assert seeds["alpha"] != seeds["beta"]
 
 
 def test_pool_limit_is_never_exceeded_and_queued_turns_complete(make_engine):

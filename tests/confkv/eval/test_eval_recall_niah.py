@@ -7,7 +7,8 @@ import json
 import pytest
 
 from confkv.eval.niah import NiahConfig, make_items
-from confkv.eval.recall import RecallConfig, is_correct, item_seed, load_items, prompt_ids, run_recall
+from confkv.eval.recall import RecallConfig, is_correct, load_items, prompt_ids, run_recall
+from confkv.sequence import seed_of
 
 ITEM = {
     "id": "a",
@@ -82,7 +83,7 @@ def test_random_trigger_draws_its_steps_per_item(chat_llama, chat_tokenizer):
     assert 0.2 * steps < results[spec]["recall_steps"] < 0.8 * steps
     again, _ = run_recall(chat_llama, chat_tokenizer, items[::-1], config)
     assert again[spec]["recall_steps"] == results[spec]["recall_steps"]  # order does not matter
-    assert item_seed("item-1") != item_seed("item-2")
+    assert seed_of("item-1") != seed_of("item-2")
 
 
 def test_niah_items_have_the_requested_length_and_depth(chat_tokenizer):
