@@ -95,7 +95,7 @@ def is_correct(continuation: str, answer: str) -> bool:
     return continuation.strip().lstrip("\"'`*(").strip().startswith(answer.strip())
 
 
-def _answer(model, tok, policy, ids, config: RecallConfig, seed: int = 0) -> dict:
+def _answer(model, tok, policy, ids, config: RecallConfig, seed: int) -> dict:
     cache = ConfKVCache.for_model(model, policy, seed=seed)
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     start = time.perf_counter()
@@ -165,7 +165,7 @@ def trace_item(model, tok, item: dict, config: RecallConfig, out: str | Path) ->
     before = prompt_text(tok, item["messages"][:-1], generation=False) if len(item["messages"]) > 1 else ""
     marker = len(tok(before, add_special_tokens=False).input_ids) if before else 0
     marker = max(marker, _question_start(tok, item, ids))
-    cache = ConfKVCache.for_model(model, policy)
+    cache = ConfKVCache.for_model(model, policy, seed=seed_of(item["id"]))  # as the item's eval row
     logits = prefill(model, cache, ids[:1].view(1, 1))
     trace = []
     for t in range(1, ids.shape[0] + config.max_new_tokens):
