@@ -49,6 +49,9 @@ def evict_rows(
     }  # (R, N), read before the compaction below rewrites the rows
     now = torch.tensor([st.next_pos for st in stores]).unsqueeze(1)
     stats = TokenStats(meta["pos"], meta["ema"], meta["cum"], now, None, valid)
+    if policy.needs_values:  # (R, Hkv, N, D) -> (R, N); padding slots are masked by ``valid``
+        v = tensors["v"].narrow(2, 0, n) if every else tensors["v"][index, :, :n]
+        stats.value_norm = v.float().abs().sum(-1).mean(1)
     scores = policy.score(stats)
     ranked = rank_rows(scores, meta["pos"], torch.tensor(keeps), now - policy.protected, policy.s, valid)
     victims = one_out(ranked)

@@ -162,6 +162,8 @@ class SequenceCache:
         meta = store.meta_view  # read-only until ``keep`` below
         positions = meta("pos")
         stats = TokenStats(positions, meta("ema"), meta("cum"), store.next_pos, self.generator)
+        if self.policy.needs_values:
+            stats.value_norm = store.value_norms()
         scores = self.policy.score(stats)
         if self.tier is not None:
             scores = scores.float() + _PIN_BONUS * (meta("pin") >= store.next_pos)

@@ -194,6 +194,15 @@ class LayerStore:
         mutation of this store (scoring an eviction), never keep it."""
         return self.fp.view(name) if self.q.n == 0 else self.meta(name)
 
+    def value_norms(self) -> torch.Tensor:
+        """(n,) float32 L1 norm of each live token's value vector, averaged over KV heads, in
+        ``meta()`` order (INT8 slots dequantized: payload norm times scale)."""
+        fp = self.fp.view("v").float().abs().sum(-1).mean(0)
+        if self.q.n == 0:
+            return fp
+        q = (self.q.view("v").float().abs().sum(-1) * self.q.view("vs").float()).mean(0)
+        return torch.cat([q, fp])
+
     # -- mutations -------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append a chunk k, v (Hkv, M, D) at the next positions (written in place: a decode

@@ -56,6 +56,12 @@ class CachePolicy:
     # ``score`` works on rows of several sequences (``TokenStats.valid``), each bit for bit as
     # alone, so a decode batch evicts in one call per step (``confkv.evict_rows``)
     scores_rows: ClassVar[bool] = True
+
+    # whether ``score`` reads ``TokenStats.value_norm`` (computed from the stored values only then)
+    @property
+    def needs_values(self) -> bool:
+        return False
+
     # keys whose default differs when a spec says recall=1 (``parse_policy`` applies them)
     RECALL_DEFAULTS: ClassVar[dict[str, object]] = {}
 

@@ -10,6 +10,10 @@ heavy-tailed attention is.
 ``attn`` picks the received-attention signal that is normalized: ``ema`` (default), ``sum`` (the
 plain sum, H2O's signal) or ``mean`` (that sum over the token's age).
 
+``vn=1`` weights the received-attention signal by the token's value norm before it is
+normalized (VATP, Guo et al. 2024: a token's contribution to the attention output is its weight
+times its value; attention sinks draw weight but carry small values).
+
 ``pool=K`` (odd, default 1: off) max-pools the score over each token's K nearest kept neighbours
 by position (as SnapKV pools its votes), so a heavily attended token keeps the span around it and
 eviction removes whole low-scored spans instead of scattering holes through the text.
@@ -39,6 +43,7 @@ class ConfKVPolicy(GatedPolicy):
     # ema: the EMA of received attention (decay); sum: its plain sum, as H2O ranks; mean: the sum
     # over the token's age (steps since it was written)
     attn: str = "ema"
+    vn: bool = False  # weight received attention by the value's L1 norm (VATP)
     # With recall=1 a fact comes back through the cold tier, so the ranking can serve reading:
     # the EMA by rank, gentler confident-step pruning and span pooling (dev perplexity 25.10 vs
     # 25.26, dev agent recall 93% of full; reports/REPRODUCTION.md, "The probe's vote and the
@@ -56,12 +61,20 @@ class ConfKVPolicy(GatedPolicy):
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"confkv: pool must be an odd number >= 1, got {self.pool}")
 
+    @property
+    def needs_values(self) -> bool:
+        return self.vn
+
     def score(self, stats: TokenStats) -> torch.Tensor:
         score = self.alpha * self._attention(stats) + (1 - self.alpha) * stats.recency()
         return score if self.pool == 1 else _pooled(score, stats.positions, self.pool, stats.valid)
 
     def _attention(self, stats: TokenStats) -> torch.Tensor:
         got = _received(stats, self.attn)
+        if self.vn:
+            if stats.value_norm is None:
+                raise ValueError("confkv: vn=1 scores need TokenStats.value_norm")
+            got = got * stats.value_norm
         if self.norm == "rank":
             n = got.shape[-1]
             order = (got if stats.valid is None else got.masked_fill(~stats.valid, -float("inf"))).argsort(

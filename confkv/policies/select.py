@@ -21,7 +21,9 @@ class TokenStats:
 
     positions (..., n) int64 absolute positions; ema (..., n) float32 EMA of received attention
     mass; cumulative (..., n) float32 summed attention mass (H2O); now = position of the next
-    token (an int, or (R, 1) for rows); valid (R, n) bool: the live slots of each row (None: all).
+    token (an int, or (R, 1) for rows); valid (R, n) bool: the live slots of each row (None: all);
+    value_norm (..., n) float32 the L1 norm of each token's value vector, averaged over KV heads
+    (given only to a policy whose ``needs_values`` is True).
     """
 
     positions: torch.Tensor
@@ -30,6 +32,7 @@ class TokenStats:
     now: int | torch.Tensor
     generator: torch.Generator | None = None
     valid: torch.Tensor | None = None
+    value_norm: torch.Tensor | None = None
 
     def row_max(self, x: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
         """(..., 1) max of ``x`` over each row's valid slots (and ``where``, if given)."""

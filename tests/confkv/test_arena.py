@@ -160,6 +160,7 @@ def test_no_arena_when_padding_would_double_the_slots(model):
     [
         ["h2o:n=20"] * 4,
         ["confkv:n_high=24,n_low=16,p=4,s=2,norm=rank,pool=3"] * 3,
+        ["confkv:n_high=24,n_low=16,p=4,s=2,norm=rank,vn=1"] * 3,  # value norms read from the rows
         ["window:n=20", "h2o:n=22", "window:n=20", "h2o:n=22", "full"],  # two groups and an inert member
         ["confkv:n_high=24,n_low=16,p=4,s=2,slack=3"] * 3,  # slack: a member's layers evict together
     ],

@@ -181,6 +181,34 @@ def test_confkv_attn_picks_the_received_attention_signal():
         parse_policy("confkv:attn=max")
 
 
+def test_confkv_vn_weights_received_attention_by_the_value_norm():
+    """vn=1 (VATP): a token that draws attention but carries a near-zero value ranks below one
+    that draws less attention and carries a large value; without value norms it is an error."""
+    positions = torch.tensor([0, 1, 2, 3])
+    ema = torch.tensor([0.6, 0.3, 0.1, 0.2])
+    stats = TokenStats(positions, ema, torch.zeros(4), 4, value_norm=torch.tensor([0.01, 2.0, 1.0, 1.0]))
+    spec = "confkv:n_high=4,n_low=3,p=1,s=0,alpha=1,norm=rank"
+    assert parse_policy(spec).score(stats).tolist() == pytest.approx([1.0, 2 / 3, 0.0, 1 / 3])
+    assert parse_policy(spec + ",vn=1").score(stats).tolist() == pytest.approx([0.0, 1.0, 1 / 3, 2 / 3])
+    assert parse_policy(spec + ",vn=1").needs_values and not parse_policy(spec).needs_values
+    with pytest.raises(ValueError, match="value_norm"):
+        parse_policy(spec + ",vn=1").score(TokenStats(positions, ema, torch.zeros(4), 4))
+
+
+def test_value_norms_are_the_dequantized_values_l1_norms_in_meta_order():
+    from confkv.storage import LayerStore
+
+    store = LayerStore(2, 8, torch.float32, "cpu", int8=True, window=3)
+    v = torch.randn(2, 7, 8, generator=torch.Generator().manual_seed(0))
+    store.append(torch.randn(2, 7, 8), v)
+    store.demote_old()
+    assert store.q.n == 4 and store.fp.n == 3
+    by_pos = dict(zip(store.meta("pos").tolist(), store.value_norms().tolist(), strict=True))
+    want = v.abs().sum(-1).mean(0)
+    for pos in range(7):
+        assert by_pos[pos] == pytest.approx(want[pos].item(), rel=0.02 if pos < 4 else 1e-6)
+
+
 def test_confkv_norm_is_validated():
     with pytest.raises(ValueError, match="norm"):
         parse_policy("confkv:norm=softmax")
