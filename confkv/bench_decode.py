@@ -102,6 +102,7 @@ def run(contexts, specs, steps, repeats, text_file, block: int = 0) -> dict:
                 row[name]["kv_bytes"] = r.cache.nbytes()
                 row[name]["peak_kv_bytes"] = r.cache.peak_bytes
                 row[name]["cold_bytes"] = r.cache.seqs[0].cold_nbytes()
+                row[name]["cold_reserved_bytes"] = r.cache.seqs[0].cold_reserved_bytes()
                 row[name]["recalled_tokens"] = r.cache.seqs[0].stats.recalled_tokens
         results[str(ctx)] = row
         print(ctx, {k: round(v["tokens_per_s"], 2) for k, v in row.items()}, flush=True)
@@ -112,20 +113,21 @@ def write_reports(results, specs, out: Path, argv, name: str = "decode_speed") -
     base = specs[0]  # the ratios are to the first policy named (full by default)
     lines = [
         f"| context | policy | tokens/s (median) | vs {base} | vs hf-sdpa | whole run tok/s | vs {base}"
-        " | KV MiB | cold MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | KV MiB | cold MiB | cold host MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ctx, row in results.items():
         for policy, v in row.items():
             kv = f"{v['kv_bytes'] / 2**20:.1f}" if "kv_bytes" in v else "-"
             cold = f"{v['cold_bytes'] / 2**20:.1f}" if "cold_bytes" in v else "-"
+            host = f"{v['cold_reserved_bytes'] / 2**20:.1f}" if "cold_reserved_bytes" in v else "-"
             ratio = v["tokens_per_s"] / row[base]["tokens_per_s"] if base in row else float("nan")
             ratio_hf = v["tokens_per_s"] / row["hf-sdpa"]["tokens_per_s"]
             total = v["tokens_per_s_total"]
             ratio_total = total / row[base]["tokens_per_s_total"] if base in row else float("nan")
             lines.append(
                 f"| {ctx} | {policy} | {v['tokens_per_s']:.2f} | {ratio:.2f}x | {ratio_hf:.2f}x"
-                f" | {total:.2f} | {ratio_total:.2f}x | {kv} | {cold} |"
+                f" | {total:.2f} | {ratio_total:.2f}x | {kv} | {cold} | {host} |"
             )
     meta = {
         "command": "python -m confkv.bench_decode " + " ".join(argv),

@@ -52,6 +52,7 @@ class ColdStore:
         self.counts: list[int] = []  # cold (valid or queued) tokens per slot
         self.n_pages = 0  # pages holding cold tokens: the live summaries
         self._free: list[int] = []
+        self._pages_seen = 0  # 1 + the largest page id given a slot: the pages that can exist so far
         self.n_tokens = 0  # valid (cold-only) tokens
         self.n_shadow = 0  # payload kept for recalled tokens that are hot now
         self.dropped_tokens = 0
@@ -84,15 +85,24 @@ class ColdStore:
         hot slot each."""
         return (self.n_tokens + self.n_shadow) * self.token_bytes
 
+    def reserved_bytes(self) -> int:
+        """Bytes of the payload tensors as allocated (INT8 + scales of every page slot, free ones
+        included): what the tier holds in (host) memory. At most one slot per page of positions
+        seen (``_grow``), so at most the pages of the context, whole."""
+        return self.page_id.shape[0] * self.page * self.token_bytes
+
     def summary_bytes(self) -> int:
         return self.n_pages * self.page_summary_bytes
 
     # -- slots ---------------------------------------------------------------------------------------
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int, pages_seen: int) -> None:
+        """At least ``need`` slots: doubling for amortized growth, but never more slots than the
+        ``pages_seen`` pages of positions that can exist so far (pages are position-aligned, so
+        a slot past them could never be used)."""
         cap = self.page_id.shape[0]
         if need <= cap:
             return
-        new_cap = max(need, 2 * cap, 8)
+        new_cap = max(need, min(max(2 * cap, 8), pages_seen))
         names = "k8 v8 ks vs valid shadow ema cum page_id lo8 hi8 sscale live".split()
         for name in names:
             old = getattr(self, name)
@@ -108,7 +118,8 @@ class ColdStore:
     def _slots_for(self, page_ids: list[int]) -> list[int]:
         missing = [p for p in page_ids if p not in self.slot_of]
         if len(missing) > len(self._free):
-            self._grow(self.page_id.shape[0] + len(missing) - len(self._free))
+            self._pages_seen = max(self._pages_seen, max(missing) + 1)
+            self._grow(self.page_id.shape[0] + len(missing) - len(self._free), self._pages_seen)
         for p in missing:
             slot = self._free.pop()
             self.slot_of[p] = slot

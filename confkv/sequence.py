@@ -117,6 +117,11 @@ class SequenceCache:
     def cold_nbytes(self) -> int:
         return self.tier.cold_bytes() if self.tier is not None else 0
 
+    def cold_reserved_bytes(self) -> int:
+        """Host bytes the cold tier's payload tensors hold as allocated (whole pages, free slots
+        included); ``cold_nbytes`` counts only the tokens stored in them."""
+        return sum(c.reserved_bytes() for c in self.tier.cold) if self.tier is not None else 0
+
     def hot_budget(self, layer: int) -> int:
         """Token slots of ``layer`` for this step: its budget less what page summaries take."""
         if self.tier is None:

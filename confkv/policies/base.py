@@ -17,6 +17,10 @@ from confkv.confidence import ConfidenceWeights
 from confkv.memory import KVGeometry
 from confkv.policies.select import TokenStats
 
+# Cold pages are aligned to positions and allocated whole (``confkv.cold``), so a page much larger
+# than what is evicted would hold mostly empty slots in host memory.
+MAX_PAGE = 1024
+
 
 @dataclass(frozen=True)
 class CachePolicy:
@@ -113,6 +117,8 @@ class CachePolicy:
             raise ValueError(f"{self.name}: recall=1 needs an evicting policy ({self.name} keeps everything)")
         if self.page < 1 or self.obs < 1 or min(self.hold, self.rtok, self.stok, self.every) < 0:
             raise ValueError(f"{self.name}: page and obs must be >= 1, hold, rtok, stok and every >= 0")
+        if self.page > MAX_PAGE:  # pages are position-aligned: a cold page holds `page` slots
+            raise ValueError(f"{self.name}: page must be <= {MAX_PAGE} positions, got {self.page}")
         if self.trigger not in (None, "gate", "prompt", "random", "every"):
             raise ValueError(
                 f"{self.name}: trigger is one of gate, prompt, random or every, not {self.trigger!r}"
@@ -176,11 +182,14 @@ class CachePolicy:
         return min(self.resolve(geometry).peak_bytes_bound(geometry), full)
 
     def worst_case_cold_bytes(self, geometry: KVGeometry, context_tokens: int) -> int:
-        """Most cold-tier (host) bytes a session of ``context_tokens`` tokens can hold: every token
-        seen, in INT8, in every layer, capped by ``cold_bytes``; 0 without ``recall=1``."""
+        """Most cold-tier (host) bytes a session of ``context_tokens`` tokens can hold: every page
+        of positions seen, in INT8, in every layer (a cold tier allocates whole position-aligned
+        pages, at most one per page of positions: ``ColdStore.reserved_bytes``), capped by
+        ``cold_bytes``; 0 without ``recall=1``."""
         if not self.recall:
             return 0
-        every_token = context_tokens * geometry.int8_token_bytes * geometry.n_layers
+        pages = -(-context_tokens // self.page)
+        every_token = pages * self.page * geometry.int8_token_bytes * geometry.n_layers
         return every_token if self.cold_bytes is None else min(every_token, self.cold_bytes)
 
     def _peak_bytes_at(self, tokens: int, geometry: KVGeometry) -> int | None:

@@ -56,6 +56,30 @@ def _int8_tokens(n: int, start: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def test_cold_store_allocates_no_slot_past_the_pages_of_positions_seen():
+    """Pages are position-aligned, so a tier can never use more slots than the pages of the
+    positions it has seen: it allocates no more (no doubling past them), and its allocated bytes
+    stay within the policy's worst case that a worker reserves in its host pool."""
+    cold = ColdStore(GEOM, page=8, device="cpu")
+    tokens = _int8_tokens(41, start=0)
+    first = torch.arange(0, 21)  # a prefill chunk: positions 0..20, pages 0-2
+    cold.add({name: t.index_select(0 if t.dim() == 1 else 1, first) for name, t in tokens.items()})
+    assert cold.page_id.shape[0] == 3 and cold.reserved_bytes() == 3 * 8 * GEOM.int8_token_bytes
+    for i in range(21, 41):  # decode steps, one token each
+        one = torch.tensor([i])
+        cold.add({name: t.index_select(0 if t.dim() == 1 else 1, one) for name, t in tokens.items()})
+        assert cold.page_id.shape[0] <= -(-(i + 1) // 8)
+    policy = parse_policy("h2o:n=16,recall=1,page=8")
+    assert cold.reserved_bytes() <= policy.worst_case_cold_bytes(GEOM, 41)
+    assert cold.nbytes() == 41 * GEOM.int8_token_bytes <= cold.reserved_bytes()
+
+
+def test_page_is_bounded():
+    assert parse_policy("confkv:recall=1,page=1024").page == 1024
+    with pytest.raises(ValueError, match="page must be <= 1024"):
+        parse_policy("confkv:recall=1,page=100000")
+
+
 def test_cold_round_trip_is_exact():
     cold = ColdStore(GEOM, page=8, device="cpu")
     tokens = _int8_tokens(37, start=5)
@@ -336,6 +360,7 @@ def test_gated_recall_without_room_swaps_on_unsure_steps(tiny_model, token_ids):
 def test_stok_bounds_decode_step_swaps_and_leaves_prompt_end_recall_to_rtok(tiny_model, token_ids):
     """``stok`` caps what one decode-step swap brings back; the prompt-end probe keeps ``rtok``'s
     rule (0: half the budget), and ``stok=0`` falls back to ``rtok`` (every older spec's meaning)."""
+
     def make(spec: str) -> RecallTier:
         return RecallTier(parse_policy(spec), GEOM, "cpu", torch.Generator())
 
@@ -611,7 +636,7 @@ def test_widened_bounds_equal_summarizing_the_new_keys_then_merging():
     geom = KVGeometry(n_layers=1, n_kv_heads=3, head_dim=16, dtype_bytes=4)
     for _ in range(40):
         cold = ColdStore(geom, page=8, device="cpu")
-        cold._grow(6)
+        cold._grow(6, pages_seen=6)
         slots = torch.tensor([0, 2, 5])
         cold.lo8[:] = torch.randint(-128, 0, cold.lo8.shape, dtype=torch.int8, generator=g)
         cold.hi8[:] = torch.randint(0, 127, cold.hi8.shape, dtype=torch.int8, generator=g)

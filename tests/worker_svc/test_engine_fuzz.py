@@ -70,6 +70,9 @@ def _check(engine: Engine, host: int | None) -> None:
             summaries = seq.tier.cold[layer].summary_bytes() if seq.tier is not None else 0
             assert seq.layer_bytes[layer] == store.nbytes() + summaries
         assert seq.nbytes() <= seq.policy.peak_bytes_bound(seq.geometry)
+        if seq.policy.cold_bytes is None:  # allocated host memory, whole pages: within the reservation
+            worst = seq.policy.worst_case_cold_bytes(seq.geometry, seq.seen_tokens)
+            assert seq.cold_reserved_bytes() <= worst
 
 
 @pytest.mark.parametrize("seed", range(4))
