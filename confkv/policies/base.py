@@ -129,6 +129,14 @@ class CachePolicy:
             raise ValueError(f"{self.name}: trigger=random needs 0 < rate <= 1, got {self.rate}")
         if self.recall_trigger == "every" and self.every < 1:
             raise ValueError(f"{self.name}: trigger=every needs every >= 1")
+        # keys of a trigger the spec does not use would do nothing: say so instead
+        for key, needs in (("rate", "random"), ("every", "every")):
+            if getattr(self, key) and self.recall_trigger != needs:
+                raise ValueError(f"{self.name}: {key} applies only with trigger={needs}")
+        if self.stok and self.recall_trigger == "prompt":
+            raise ValueError(
+                f"{self.name}: stok sizes decode-step swaps: it needs trigger=gate, random or every"
+            )
         if self.cold_bytes is not None and self.cold_bytes <= 0:
             raise ValueError(f"{self.name}: cold_bytes must be positive, got {self.cold_bytes}")
         if self.vote not in ("sum", "last"):

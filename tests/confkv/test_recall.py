@@ -364,7 +364,7 @@ def test_stok_bounds_decode_step_swaps_and_leaves_prompt_end_recall_to_rtok(tiny
     def make(spec: str) -> RecallTier:
         return RecallTier(parse_policy(spec), GEOM, "cpu", torch.Generator())
 
-    tier = make("confkv:n_high=64,n_low=64,p=8,recall=1,stok=8")
+    tier = make("confkv:n_high=64,n_low=64,p=8,recall=1,trigger=gate,stok=8")
     assert tier.swap_tokens(64, step=True) == 8
     assert tier.swap_tokens(64) == 32  # prompt end: half the budget
     tier = make("confkv:n_high=64,n_low=64,p=8,recall=1,rtok=16")
@@ -379,6 +379,18 @@ def test_stok_bounds_decode_step_swaps_and_leaves_prompt_end_recall_to_rtok(tiny
         parse_policy("confkv:recall=1,stok=-1")
     with pytest.raises(ValueError, match="only with recall=1"):
         parse_policy("confkv:stok=8")
+    with pytest.raises(ValueError, match="stok sizes decode-step swaps"):
+        parse_policy("confkv:recall=1,stok=8")  # prompt-end recall only: it would do nothing
+
+
+def test_keys_of_a_trigger_not_used_are_refused():
+    """A key that only a trigger the spec does not use reads would change nothing: it is an error,
+    not a silent no-op (``rate`` without ``trigger=random``, ``every`` without ``trigger=every``)."""
+    for spec, key in (("h2o:recall=1,rate=0.2", "rate"), ("confkv:recall=1,trigger=gate,every=2", "every")):
+        with pytest.raises(ValueError, match=f"{key} applies only with trigger="):
+            parse_policy(spec)
+    assert parse_policy("h2o:recall=1,trigger=random,rate=0.2").rate == 0.2
+    assert parse_policy("sinks:recall=1,trigger=every,every=2").every == 2
 
 
 def test_recall_spec_validation():

@@ -22,9 +22,16 @@ RECALL_CHOICES: dict[str, list[object]] = {
     "page": [1, 4, 8, 64], "rtok": [1, 64], "obs": [1, 64], "hold": [0, 16],
     "cold_bytes": [1, 500, 50000], "vote": ["sum"], "slack": [1, 3],
 }  # fmt: skip
+# decode-step triggers and ranking keys, drawn only by the invariants test (the batch test's seeds
+# were picked for the specs the choices above give them)
+EXTRA_CHOICES: dict[str, list[object]] = {
+    "trigger": ["gate", "random", "every", "prompt"], "stok": [1, 8, 64], "rate": [0.2, 0.9],
+    "every": [1, 3], "vote": ["sum", "last"],
+}  # fmt: skip
+CONFKV_EXTRAS = ["vn=1", "norm=rank", "pool=3", "attn=sum", "attn=mean", "tau=0.9"]
 
 
-def _spec(rng: random.Random) -> str:
+def _spec(rng: random.Random, extra: bool = False) -> str:
     name = rng.choice(["confkv", "confkv", "h2o", "sinks", "window", "random", "full"])
     keys: dict[str, object] = {"recall": 1} if name != "full" and rng.random() < 0.7 else {}
     if name in ("confkv", "random"):
@@ -42,16 +49,19 @@ def _spec(rng: random.Random) -> str:
     if rng.random() < 0.5:
         keys.update(int8=1, w=rng.choice([1, 4, 8]))
     if keys.get("recall"):
-        for key, values in RECALL_CHOICES.items():
+        for key, values in (RECALL_CHOICES | EXTRA_CHOICES if extra else RECALL_CHOICES).items():
             if rng.random() < 0.3:
                 keys[key] = rng.choice(values)
+    if extra and name == "confkv" and rng.random() < 0.4:
+        key, value = rng.choice(CONFKV_EXTRAS).split("=")
+        keys[key] = value
     return name + (":" + ",".join(f"{k}={v}" for k, v in keys.items()) if keys else "")
 
 
-def _valid_specs(rng: random.Random, n: int) -> list[str]:
+def _valid_specs(rng: random.Random, n: int, extra: bool = False) -> list[str]:
     specs: list[str] = []
     while len(specs) < n:
-        spec = _spec(rng)
+        spec = _spec(rng, extra)
         try:
             parse_policy(spec)
         except ValueError:
@@ -75,7 +85,7 @@ def _check(engine: Engine, host: int | None) -> None:
             assert seq.cold_reserved_bytes() <= worst
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))  # seeds 4, 5 also draw decode-step triggers and ranking keys
 def test_random_sessions_keep_every_invariant_and_every_turn_ends(seed):
     torch.set_num_threads(1)
     rng = random.Random(seed)
@@ -88,7 +98,7 @@ def test_random_sessions_keep_every_invariant_and_every_turn_ends(seed):
             demote_idle=rng.random() < 0.7,
         )  # fmt: skip
         engine = Engine(model, ByteChatCodec(), config)
-        specs = _valid_specs(rng, 3)
+        specs = _valid_specs(rng, 3, extra=seed >= 4)
         for i, spec in enumerate(specs):
             engine.open_session(f"s{i}", spec, [])
         handles = []
