@@ -19,8 +19,11 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 _INTERPRETED = type(triton.language.zeros).__name__ == "InterpretedFunction"
 if os.environ.get("TRITON_INTERPRET") == "1" and not _INTERPRETED:
-    pytest.fail("triton.language was imported before TRITON_INTERPRET=1 was set; set it earlier "
-                "(conftest.py at the repo root does) or export it", pytrace=False)
+    pytest.fail(
+        "triton.language was imported before TRITON_INTERPRET=1 was set; set it earlier "
+        "(conftest.py at the repo root does) or export it",
+        pytrace=False,
+    )
 
 from confkv_kernels import Backend, reference, triton_ops  # noqa: E402
 from confkv_kernels import decode_attention as dispatched_decode  # noqa: E402
@@ -29,8 +32,11 @@ from confkv_kernels.triton_decode import decode_attention as decode_with_splits 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[2]
 # (out atol, out rtol, mass atol, mass rtol): fp16 output is rounded to fp16 and P.V uses fp16 P.
-TOL = {torch.float32: (2e-5, 1e-4, 2e-6, 1e-4), torch.float16: (3e-3, 5e-3, 2e-4, 2e-3),
-       torch.bfloat16: (3e-2, 3e-2, 2e-3, 2e-2)}
+TOL = {
+    torch.float32: (2e-5, 1e-4, 2e-6, 1e-4),
+    torch.float16: (3e-3, 5e-3, 2e-4, 2e-3),
+    torch.bfloat16: (3e-2, 3e-2, 2e-3, 2e-2),
+}
 # bf16 tl.dot is wrong in the interpreter: bf16 attention is checked on CUDA only.
 ATTN_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
@@ -126,15 +132,19 @@ def test_chunk_matches_reference(dim, groups, dtype):
     _assert_matches(triton_ops.chunk_attention(*args), reference.chunk_attention_ref(*args), dtype)
 
 
-@pytest.mark.parametrize(("n8", "nf", "queries"), [(0, 90, 70), (100, 0, 17), (130, 150, 150)],
-                         ids=["no-int8", "no-fp", "multi-tile"])
+@pytest.mark.parametrize(
+    ("n8", "nf", "queries"),
+    [(0, 90, 70), (100, 0, 17), (130, 150, 150)],
+    ids=["no-int8", "no-fp", "multi-tile"],
+)
 def test_chunk_edge_cases(n8, nf, queries):
     args = _chunk_case(n8, nf, queries, 1, 3, 64, torch.float32, seed=3)
     _assert_matches(triton_ops.chunk_attention(*args), reference.chunk_attention_ref(*args), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16],
-                         ids=["fp16", "fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.float32, torch.bfloat16], ids=["fp16", "fp32", "bf16"]
+)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_quantize_is_bit_exact(dim, dtype):
     gen = torch.Generator().manual_seed(4)
@@ -155,8 +165,14 @@ def test_quantize_empty():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the benchmark would really run")
 def test_bench_without_cuda_exits_cleanly():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "confkv_kernels.bench"], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "confkv_kernels.bench"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
     assert done.returncode == 0 and "needs CUDA" in done.stdout
 
 
@@ -177,8 +193,9 @@ def _probe(cwd: Path, hf_site: Path | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if hf_site is not None:
         env["PYTHONPATH"] = str(hf_site)
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+    )
     if done.returncode != 0 and hf_site is None and "No module named 'kernels'" in done.stderr:
         return {"available": False, "file": None, "ours": False, "missing": True}
     assert done.returncode == 0, done.stderr

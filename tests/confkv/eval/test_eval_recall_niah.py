@@ -26,8 +26,8 @@ ITEM = {
 def test_is_correct_strips_and_matches_prefix():
     assert is_correct("  4812.\n", "4812")
     assert not is_correct("It is 4812", "4812")
-    assert is_correct(" \"WH-2409\".", "WH-2409")  # an opening quote is not part of the answer
-    assert not is_correct(" \"WH-2408\"", "WH-2409")
+    assert is_correct(' "WH-2409".', "WH-2409")  # an opening quote is not part of the answer
+    assert not is_correct(' "WH-2408"', "WH-2409")
 
 
 def test_load_items_validates_each_line(tmp_path):
