@@ -53,6 +53,7 @@ class ColdStore:
         self.n_pages = 0  # pages holding cold tokens: the live summaries
         self._free: list[int] = []
         self._pages_seen = 0  # 1 + the largest page id given a slot: the pages that can exist so far
+        self.max_slots: int | None = None  # page slots it may allocate (``cold_bytes``); None: no bound
         self.n_tokens = 0  # valid (cold-only) tokens
         self.n_shadow = 0  # payload kept for recalled tokens that are hot now
         self.dropped_tokens = 0
@@ -102,7 +103,7 @@ class ColdStore:
         cap = self.page_id.shape[0]
         if need <= cap:
             return
-        new_cap = max(need, min(max(2 * cap, 8), pages_seen))
+        new_cap = max(need, min(max(2 * cap, 8), pages_seen, self.max_slots or need))
         names = "k8 v8 ks vs valid shadow ema cum page_id lo8 hi8 sscale live".split()
         for name in names:
             old = getattr(self, name)
@@ -336,7 +337,36 @@ class ColdStore:
         self.hi8[dev_slots] = 0
         self.sscale[dev_slots] = 0
 
-    def drop_to(self, max_pages: int, max_tokens: int, margin: float = 0.0) -> int:
+    def make_room(
+        self, pos: torch.Tensor, max_pages: int, max_tokens: int
+    ) -> tuple[int, torch.Tensor | None]:
+        """Before ``add`` of tokens at ``pos`` (m,): with a slot bound (``max_slots``), drop
+        stored pages (as ``drop_to``) until the pages the tokens need fit in it, so the tier
+        never allocates past the bound. When their new pages alone pass it, only the tokens of
+        the newest pages that fit are kept. -> (tokens dropped, keep mask (m,) or None: all)."""
+        if self.max_slots is None:
+            return 0, None
+        page_ids = (pos // self.page).tolist()
+        need = set(page_ids)
+        missing = need - self.slot_of.keys()
+        if len(self.slot_of) + len(missing) <= self.max_slots:
+            return 0, None
+        dropped = self.drop_to(max_pages, max_tokens, max_slots=max(self.max_slots - len(missing), 0))
+        missing = need - self.slot_of.keys()
+        room = self.max_slots - len(self.slot_of)
+        if len(missing) <= room:
+            return dropped, None
+        allowed = (need & self.slot_of.keys()) | set(
+            sorted(missing)[len(missing) - room :] if room > 0 else []
+        )
+        keep = torch.tensor([p in allowed for p in page_ids], dtype=torch.bool, device=pos.device)
+        lost = int((~keep).sum())
+        self.dropped_tokens += lost
+        return dropped + lost, keep
+
+    def drop_to(
+        self, max_pages: int, max_tokens: int, margin: float = 0.0, max_slots: int | None = None
+    ) -> int:
         """Drop pages until both limits hold (``max_pages`` live summaries; ``max_tokens`` stored
         tokens, shadows included): pages holding only shadows first (nothing is lost: their
         tokens are hot), then the least attended (max cumulative attention, older first on
@@ -344,10 +374,19 @@ class ColdStore:
         it (a low watermark: a full tier then drops a batch of pages every few evictions instead
         of one page on nearly every eviction). Returns the cold tokens dropped (they are gone for
         good, and counted)."""
-        if self.n_pages <= max_pages and self.n_tokens + self.n_shadow <= max_tokens:
+        slots = self.max_slots if max_slots is None else max_slots
+        if slots is None:
+            slots = 1 << 62
+        if (
+            self.n_pages <= max_pages
+            and self.n_tokens + self.n_shadow <= max_tokens
+            and len(self.slot_of) <= slots
+        ):
             return 0
         self.settle()
-        max_pages, max_tokens = (limit - int(margin * limit) for limit in (max_pages, max_tokens))
+        max_pages, max_tokens, slots = (
+            limit - int(margin * limit) for limit in (max_pages, max_tokens, slots)
+        )
         live = self.page_id >= 0
         utility = self.cum.masked_fill(~self.valid, float("-inf")).amax(1)
         utility = utility.clamp_min(-1e30) + 1e-9 * self.page_id.float()
@@ -359,7 +398,9 @@ class ColdStore:
         zero = torch.zeros(1, dtype=torch.long, device=counts.device)
         pages_left = self.n_pages - torch.cat([zero, (counts > 0).long().cumsum(0)])
         tokens_left = self.n_tokens + self.n_shadow - torch.cat([zero, stored.cumsum(0)])
-        n_drop = int(((pages_left <= max_pages) & (tokens_left <= max_tokens)).long().argmax())
+        slots_left = len(self.slot_of) - torch.arange(order.shape[0] + 1, device=counts.device)
+        holds = (pages_left <= max_pages) & (tokens_left <= max_tokens) & (slots_left <= slots)
+        n_drop = int(holds.long().argmax())
         dropped = int(counts[:n_drop].sum())
         self._free_slots(order[:n_drop])
         self.dropped_tokens += dropped

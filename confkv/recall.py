@@ -151,6 +151,10 @@ class RecallTier:
         per_layer = policy.cold_bytes // geometry.n_layers if policy.cold_bytes is not None else None
         # a bound smaller than one token per layer keeps nothing cold (it is not "no bound")
         self.max_cold_tokens = per_layer // geometry.int8_token_bytes if per_layer is not None else 1 << 62
+        # the bound also caps the page slots a layer allocates (pages are allocated whole), so
+        # the host memory the tier holds stays within it
+        for cold in self.cold:
+            cold.max_slots = policy.cold_slots_per_layer(geometry)
 
     # -- sizes -------------------------------------------------------------------------------------
     def summary_tokens(self, layer: int) -> int:
@@ -205,8 +209,11 @@ class RecallTier:
         if not tokens:
             return 0
         cold = self.cold[layer]
+        dropped, keep = cold.make_room(tokens["pos"], self.max_pages[layer], self.max_cold_tokens)
+        if keep is not None:  # the new pages alone need more slots than the bound allows
+            tokens = {name: t[keep] if t.dim() == 1 else t[:, keep] for name, t in tokens.items()}
         cold.add(tokens)
-        return cold.drop_to(self.max_pages[layer], self.max_cold_tokens, DROP_MARGIN)
+        return dropped + cold.drop_to(self.max_pages[layer], self.max_cold_tokens, DROP_MARGIN)
 
     def vote(self, layer: int, q: torch.Tensor, store: LayerStore, scaling: float) -> None:
         """Prompt-end probe: the exact attention weights the probe's queries q (Hq, M, D) give

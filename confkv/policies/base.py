@@ -197,8 +197,17 @@ class CachePolicy:
         if not self.recall:
             return 0
         pages = -(-context_tokens // self.page)
-        every_token = pages * self.page * geometry.int8_token_bytes * geometry.n_layers
-        return every_token if self.cold_bytes is None else min(every_token, self.cold_bytes)
+        slots = self.cold_slots_per_layer(geometry)
+        if slots is not None:
+            pages = min(pages, slots)
+        return pages * self.page * geometry.int8_token_bytes * geometry.n_layers
+
+    def cold_slots_per_layer(self, geometry: KVGeometry) -> int | None:
+        """Page slots one layer's cold tier may allocate under ``cold_bytes`` (split evenly over
+        the layers; a slot holds ``page`` INT8 tokens); None without a bound."""
+        if self.cold_bytes is None:
+            return None
+        return self.cold_bytes // geometry.n_layers // (self.page * geometry.int8_token_bytes)
 
     def _peak_bytes_at(self, tokens: int, geometry: KVGeometry) -> int | None:
         """Peak bytes when scaled to ``tokens``; None when that budget cannot be split over the

@@ -251,6 +251,9 @@ def test_hot_bytes_within_budget_and_tokens_conserved(tiny_model, token_ids, spe
     assert seq.stats.recalled_tokens > 0
     if seq.policy.cold_bytes:
         assert seq.stats.peak_cold_bytes <= seq.policy.cold_bytes
+        # the host memory it holds too: its page slots, whole, stay within the bound
+        assert seq.cold_reserved_bytes() <= seq.policy.cold_bytes
+    assert seq.cold_reserved_bytes() <= seq.policy.worst_case_cold_bytes(seq.geometry, seq.seen_tokens)
 
 
 @pytest.mark.parametrize(
@@ -496,7 +499,11 @@ def test_worst_case_cold_bytes_and_plan_host_column():
     assert parse_policy("confkv:int8=1").worst_case_cold_bytes(geometry, 4096) == 0
     every = 4096 * geometry.int8_token_bytes * 30
     assert parse_policy("confkv:int8=1,recall=1").worst_case_cold_bytes(geometry, 4096) == every
-    assert parse_policy("h2o:recall=1,cold_bytes=1e6").worst_case_cold_bytes(geometry, 4096) == 10**6
+    # cold_bytes counts whole pages per layer: 10**6 / 30 layers holds 2 pages of 32 INT8 tokens
+    pages = 10**6 // 30 // (32 * geometry.int8_token_bytes)
+    assert pages == 2
+    bounded = parse_policy("h2o:recall=1,cold_bytes=1e6").worst_case_cold_bytes(geometry, 4096)
+    assert bounded == pages * 32 * geometry.int8_token_bytes * 30 <= 10**6
     plan = make_plan(
         PlanRequest(
             model=resolve_model("qwen2.5-32b"),

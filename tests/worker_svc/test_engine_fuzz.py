@@ -80,9 +80,8 @@ def _check(engine: Engine, host: int | None) -> None:
             summaries = seq.tier.cold[layer].summary_bytes() if seq.tier is not None else 0
             assert seq.layer_bytes[layer] == store.nbytes() + summaries
         assert seq.nbytes() <= seq.policy.peak_bytes_bound(seq.geometry)
-        if seq.policy.cold_bytes is None:  # allocated host memory, whole pages: within the reservation
-            worst = seq.policy.worst_case_cold_bytes(seq.geometry, seq.seen_tokens)
-            assert seq.cold_reserved_bytes() <= worst
+        # allocated host memory, whole pages (a cold_bytes bound included): within the reservation
+        assert seq.cold_reserved_bytes() <= seq.policy.worst_case_cold_bytes(seq.geometry, seq.seen_tokens)
 
 
 @pytest.mark.parametrize("seed", range(6))  # seeds 4, 5 also draw decode-step triggers and ranking keys
