@@ -149,10 +149,10 @@ class RecallTier:
             for f in self.floors
         ]
         per_layer = policy.cold_bytes // geometry.n_layers if policy.cold_bytes is not None else None
-        # a bound smaller than one token per layer keeps nothing cold (it is not "no bound")
         self.max_cold_tokens = per_layer // geometry.int8_token_bytes if per_layer is not None else 1 << 62
-        # the bound also caps the page slots a layer allocates (pages are allocated whole), so
-        # the host memory the tier holds stays within it
+        # the bound caps the page slots a layer allocates (pages are allocated whole), so the host
+        # memory the tier holds stays within it; a bound below one page per layer keeps nothing
+        # cold (it is not "no bound")
         for cold in self.cold:
             cold.max_slots = policy.cold_slots_per_layer(geometry)
 

@@ -192,8 +192,8 @@ class CachePolicy:
     def worst_case_cold_bytes(self, geometry: KVGeometry, context_tokens: int) -> int:
         """Most cold-tier (host) bytes a session of ``context_tokens`` tokens can hold: every page
         of positions seen, in INT8, in every layer (a cold tier allocates whole position-aligned
-        pages, at most one per page of positions: ``ColdStore.reserved_bytes``), capped by
-        ``cold_bytes``; 0 without ``recall=1``."""
+        pages, at most one per page of positions: ``ColdStore.reserved_bytes``), at most the
+        whole pages ``cold_bytes`` holds (``cold_slots_per_layer``); 0 without ``recall=1``."""
         if not self.recall:
             return 0
         pages = -(-context_tokens // self.page)

@@ -284,15 +284,20 @@ def test_prompt_end_only_tiers_keep_no_page_bounds(tiny_model, token_ids, spec):
         assert gated.seqs[0].tier.max_pages == seq.tier.max_pages
 
 
-@pytest.mark.parametrize("cold_bytes", [1, 100])
-def test_a_cold_bound_below_one_token_per_layer_keeps_nothing_cold(tiny_model, token_ids, cold_bytes):
-    """``cold_bytes`` smaller than one INT8 token per layer is a bound of zero tokens, not "no
-    bound" (1 // n_layers once read as unbounded and overran a worker's host pool; fuzz)."""
+@pytest.mark.parametrize("tokens", [None, 0, 3])
+def test_a_cold_bound_below_one_page_per_layer_keeps_nothing_cold(tiny_model, token_ids, tokens):
+    """``cold_bytes`` smaller than one page per layer (1 byte; less than one INT8 token; three
+    tokens of a page of 8) is a bound of zero page slots, not "no bound" (1 // n_layers once read
+    as unbounded and overran a worker's host pool; fuzz): nothing is stored or allocated."""
+    geometry = ConfKVCache.for_model(tiny_model, "sinks:s=4,n=48").seqs[0].geometry
+    per_token = geometry.n_layers * geometry.int8_token_bytes
+    cold_bytes = 1 if tokens is None else tokens * per_token + per_token - 1
     cache = ConfKVCache.for_model(tiny_model, f"sinks:s=4,n=48,recall=1,page=8,cold_bytes={cold_bytes}")
     seq = cache.seqs[0]
-    assert cold_bytes // seq.geometry.n_layers < seq.geometry.int8_token_bytes
+    assert seq.policy.cold_slots_per_layer(geometry) == 0
     teacher_forced_logits(tiny_model, cache, token_ids[:, :160], prefix=100)
-    assert seq.stats.peak_cold_bytes == 0 and seq.cold_nbytes() == 0
+    assert seq.stats.peak_cold_bytes == 0 and seq.cold_nbytes() == 0 and seq.cold_reserved_bytes() == 0
+    assert seq.stats.cold_dropped_tokens > 0
     assert seq.stats.cold_dropped_tokens == seq.stats.evicted_tokens > 0  # every eviction is counted
 
 
