@@ -338,31 +338,32 @@ class ColdStore:
         self.sscale[dev_slots] = 0
 
     def make_room(
-        self, pos: torch.Tensor, max_pages: int, max_tokens: int
-    ) -> tuple[int, torch.Tensor | None]:
-        """Before ``add`` of tokens at ``pos`` (m,): with a slot bound (``max_slots``), drop
-        stored pages (as ``drop_to``) until the pages the tokens need fit in it, so the tier
-        never allocates past the bound. When their new pages alone pass it, only the tokens of
-        the newest pages that fit are kept. -> (tokens dropped, keep mask (m,) or None: all)."""
+        self, tokens: dict[str, torch.Tensor], max_pages: int, max_tokens: int
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """Before ``add``: with a slot bound (``max_slots``), drop stored pages (as ``drop_to``)
+        until the pages the evicted ``tokens`` need fit in it, so the tier never allocates past
+        the bound. When their new pages alone pass it, only the tokens of the newest pages that
+        fit are kept. -> (the tokens to add, tokens dropped)."""
         if self.max_slots is None:
-            return 0, None
-        page_ids = (pos // self.page).tolist()
+            return tokens, 0
+        page_ids = (tokens["pos"] // self.page).tolist()
         need = set(page_ids)
         missing = need - self.slot_of.keys()
         if len(self.slot_of) + len(missing) <= self.max_slots:
-            return 0, None
+            return tokens, 0
         dropped = self.drop_to(max_pages, max_tokens, max_slots=max(self.max_slots - len(missing), 0))
         missing = need - self.slot_of.keys()
         room = self.max_slots - len(self.slot_of)
         if len(missing) <= room:
-            return dropped, None
+            return tokens, dropped
         allowed = (need & self.slot_of.keys()) | set(
             sorted(missing)[len(missing) - room :] if room > 0 else []
         )
-        keep = torch.tensor([p in allowed for p in page_ids], dtype=torch.bool, device=pos.device)
+        keep = torch.tensor([p in allowed for p in page_ids], dtype=torch.bool, device=tokens["pos"].device)
         lost = int((~keep).sum())
         self.dropped_tokens += lost
-        return dropped + lost, keep
+        kept = {name: t[..., keep] if t.dim() == 1 else t[:, keep] for name, t in tokens.items()}
+        return kept, dropped + lost
 
     def drop_to(
         self, max_pages: int, max_tokens: int, margin: float = 0.0, max_slots: int | None = None

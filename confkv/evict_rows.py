@@ -21,6 +21,7 @@ import torch
 from confkv.policies import CachePolicy, TokenStats
 from confkv.policies.select import kept_mask, one_out, rank_rows
 from confkv.sequence import SequenceCache
+from confkv.storage import value_l1
 
 _ZEROED = ("ema", "cum", "pin")
 
@@ -51,7 +52,7 @@ def evict_rows(
     stats = TokenStats(meta["pos"], meta["ema"], meta["cum"], now, None, valid)
     if policy.needs_values:  # (R, Hkv, N, D) -> (R, N); padding slots are masked by ``valid``
         v = tensors["v"].narrow(2, 0, n) if every else tensors["v"][index, :, :n]
-        stats.value_norm = v.float().abs().sum(-1).mean(1)
+        stats.value_norm = value_l1(v)
     scores = policy.score(stats)
     ranked = rank_rows(scores, meta["pos"], torch.tensor(keeps), now - policy.protected, policy.s, valid)
     victims = one_out(ranked)

@@ -209,9 +209,7 @@ class RecallTier:
         if not tokens:
             return 0
         cold = self.cold[layer]
-        dropped, keep = cold.make_room(tokens["pos"], self.max_pages[layer], self.max_cold_tokens)
-        if keep is not None:  # the new pages alone need more slots than the bound allows
-            tokens = {name: t[keep] if t.dim() == 1 else t[:, keep] for name, t in tokens.items()}
+        tokens, dropped = cold.make_room(tokens, self.max_pages[layer], self.max_cold_tokens)
         cold.add(tokens)
         return dropped + cold.drop_to(self.max_pages[layer], self.max_cold_tokens, DROP_MARGIN)
 

@@ -20,6 +20,13 @@ _META = ("pos", "ema", "cum", "pin")
 _ZEROED = ("ema", "cum", "pin")  # zero in every slot past the live ones (appends skip them)
 
 
+def value_l1(v: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Values (..., Hkv, N, D) -> (..., N): each token's L1 norm averaged over KV heads (INT8
+    payloads times their (..., Hkv, N) scales)."""
+    norm = v.float().abs().sum(-1)
+    return (norm if scale is None else norm * scale.float()).mean(-2)
+
+
 class _Part:
     """Capacity-managed slots: tensors whose token axis is ``axis``; ``n`` live slots."""
 
@@ -197,11 +204,10 @@ class LayerStore:
     def value_norms(self) -> torch.Tensor:
         """(n,) float32 L1 norm of each live token's value vector, averaged over KV heads, in
         ``meta()`` order (INT8 slots dequantized: payload norm times scale)."""
-        fp = self.fp.view("v").float().abs().sum(-1).mean(0)
+        fp = value_l1(self.fp.view("v"))
         if self.q.n == 0:
             return fp
-        q = (self.q.view("v").float().abs().sum(-1) * self.q.view("vs").float()).mean(0)
-        return torch.cat([q, fp])
+        return torch.cat([value_l1(self.q.view("v"), self.q.view("vs")), fp])
 
     # -- mutations -------------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
