@@ -401,12 +401,12 @@ class Engine:
             victims = self._victims(session)
             sid = session.session_id
             if not self.host_pool.reserve(
-                sid, max(turn.cold_reserve_bytes, session.cold_nbytes()), victims, self._evict_idle
+                sid, max(turn.cold_reserve_bytes, session.cold_held_bytes()), victims, self._evict_idle
             ):
                 return  # FIFO: wait until running turns finish and shrink their reservations
             hot = max(turn.reserve_bytes, session.nbytes())
             if not self.pool.reserve(sid, hot, victims, self._make_room):
-                self.host_pool.shrink(sid, session.cold_nbytes())
+                self.host_pool.shrink(sid, session.cold_held_bytes())
                 return
             self.queue.popleft()
             self._start(turn)
@@ -504,7 +504,7 @@ class Engine:
             session.transcript += [*turn.request.messages, ChatMessage("assistant", text)]
             session.fed_ids += turn.fed
             self.pool.shrink(session.session_id, session.nbytes())
-            self.host_pool.shrink(session.session_id, session.cold_nbytes())
+            self.host_pool.shrink(session.session_id, session.cold_held_bytes())
         else:  # the cancelled turn is not committed: its KV goes, the transcript stays
             self._release_kv(session)
         session.turn, session.state, session.last_used = None, SessionState.IDLE, time.monotonic()
@@ -542,11 +542,11 @@ class Engine:
         if seq is None or seq.tier is None or not self.config.demote_idle:
             return self._evict_idle(session_id)
         worst = session.policy.worst_case_cold_bytes(self.geometry, seq.seen_tokens)
-        if not self.host_pool.reserve(session_id, max(worst, seq.cold_nbytes())):
+        if not self.host_pool.reserve(session_id, max(worst, seq.cold_reserved_bytes())):
             return self._evict_idle(session_id)  # no host room for it: released, as before
         before = seq.nbytes()
         moved = seq.demote_to_cold()
-        self.host_pool.shrink(session_id, seq.cold_nbytes())
+        self.host_pool.shrink(session_id, seq.cold_reserved_bytes())
         if moved == 0:  # already demoted: nothing more to gain but releasing it
             return self._evict_idle(session_id)
         self.demoted_sessions += 1

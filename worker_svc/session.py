@@ -85,6 +85,11 @@ class Session:
         """Bytes of the session's cold tier (host memory; 0 without recall)."""
         return self.seq.cold_nbytes() if self.seq is not None else 0
 
+    def cold_held_bytes(self) -> int:
+        """Host bytes the cold tier holds as allocated (whole page slots, at least
+        ``cold_nbytes``): what the host pool charges the session between turns."""
+        return self.seq.cold_reserved_bytes() if self.seq is not None else 0
+
     def release_kv(self) -> int:
         """Free the cache (the transcript stays; the next turn rebuilds it). Returns freed bytes.
         The engine gives back the session's pool reservation at the same time."""

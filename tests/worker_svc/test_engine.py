@@ -197,14 +197,14 @@ def printable():
     return printable_byte_llama()  # replies re-encode to the tokens fed: turns feed only suffixes
 
 
-def _pressured(model, **overrides):
+def _pressured(model, prompt: str = LONG_A, **overrides):
     """Room for one recall session's worst case and a half: b's turn needs a's room."""
     build = lambda **o: Engine(model, ByteChatCodec(), EngineConfig(**{"prefill_chunk": 16, **o}))  # noqa: E731
     one = build(kv_pool_bytes=1 << 30).estimate(RECALL, [], context_tokens=200, max_new=8).worst_case_bytes
     engine = build(kv_pool_bytes=int(one * 1.5), **overrides)
     for sid in ("a", "b"):
         engine.open_session(sid, RECALL, [])
-    engine.submit(TurnRequest("a", user(LONG_A), max_new_tokens=8))
+    engine.submit(TurnRequest("a", user(prompt), max_new_tokens=8))
     engine.run_until_idle()
     return engine
 
@@ -234,19 +234,32 @@ def test_idle_recall_session_is_demoted_to_cold_and_resumes_without_rereading(pr
 
 
 def test_idle_demotion_falls_back_to_release(printable):
-    """Without host room for the cold tier (or with demotion off) idle KV is released, as before."""
+    """Without host room for the cold tier (or with demotion off) idle KV is released, as before.
+    The host pool charges an idle tier what it has allocated, so a tier whose page slots already
+    cover every position seen demotes for free; a short first turn evicted nothing and holds no
+    slots, so demoting it needs host room."""
     for overrides in ({"demote_idle": False}, {"host_pool_bytes": 400_000}):
-        engine = _pressured(printable, **overrides)
-        cold = engine.sessions["a"].seq.cold_nbytes()
-        if "host_pool_bytes" in overrides:  # room for b's turn beside idle a, not for a demoted a
-            a = engine.sessions["a"]
-            b_turn = a.policy.worst_case_cold_bytes(engine.geometry, a.seq.seen_tokens + 1)
-            engine.host_pool.capacity_bytes = engine.host_pool.reserved_bytes + b_turn + 256
+        engine = _pressured(printable, prompt="The passkey is 4817.", **overrides)
+        a = engine.sessions["a"]
+        assert a.cold_held_bytes() == 0 and engine.host_pool.reserved("a") == 0
+        assert a.policy.worst_case_cold_bytes(engine.geometry, a.seq.seen_tokens) > 0
         engine.submit(TurnRequest("b", user(LONG_A), max_new_tokens=8))
+        if "host_pool_bytes" in overrides:  # room for b's turn beside idle a, not for a demoted a
+            demoted_a = a.policy.worst_case_cold_bytes(engine.geometry, a.seq.seen_tokens)
+            b_turn = engine.queue[0].cold_reserve_bytes
+            engine.host_pool.capacity_bytes = engine.host_pool.reserved_bytes + b_turn + demoted_a - 1
         engine.run_until_idle()
         report = engine.session_report("a")
         assert engine.demoted_sessions == 0, overrides
-        assert report.kv_bytes == 0 and report.cold_bytes == 0 and engine.sessions["a"].seq is None, cold
+        assert report.kv_bytes == 0 and report.cold_bytes == 0 and engine.sessions["a"].seq is None
+
+
+def test_idle_tier_is_charged_its_allocated_pages(printable):
+    """Between turns the host pool holds what a session's cold tier has allocated (whole page
+    slots), not only the tokens stored in them."""
+    engine = _pressured(printable, host_pool_bytes=400_000)
+    a = engine.sessions["a"]
+    assert 0 < a.cold_nbytes() < a.cold_held_bytes() == engine.host_pool.reserved("a")
 
 
 def test_cancel_mid_stream_frees_kv_and_keeps_the_transcript(make_engine):

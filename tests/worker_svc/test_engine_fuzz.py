@@ -74,7 +74,11 @@ def _check(engine: Engine, host: int | None) -> None:
     assert engine.pool.reserved_bytes <= engine.config.kv_pool_bytes
     seqs = [s.seq for s in engine.sessions.values() if s.seq is not None]
     if host is not None:
-        assert sum(seq.cold_nbytes() for seq in seqs) <= engine.host_pool.reserved_bytes <= host
+        assert engine.host_pool.reserved_bytes <= host
+    for sid, session in engine.sessions.items():
+        # what the cold tier holds as allocated (whole page slots), idle sessions included
+        if session.seq is not None:
+            assert session.seq.cold_reserved_bytes() <= engine.host_pool.reserved(sid)
     for seq in seqs:
         for layer, store in enumerate(seq.stores):
             summaries = seq.tier.cold[layer].summary_bytes() if seq.tier is not None else 0
