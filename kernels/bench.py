@@ -98,31 +98,47 @@ def _bench_decode(shape: Shape, batch: int, context: int, dev: str) -> DecodeRow
     v = torch.randn_like(k)
     sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     ours_bytes, sdpa_bytes = _decode_bytes(shape, batch, context)
-    return DecodeRow(batch, context, ours_ms * 1e3, ours_bytes / ours_ms / 1e6,
-                     sdpa_ms * 1e3, sdpa_bytes / sdpa_ms / 1e6, err)
+    return DecodeRow(
+        batch,
+        context,
+        ours_ms * 1e3,
+        ours_bytes / ours_ms / 1e6,
+        sdpa_ms * 1e3,
+        sdpa_bytes / sdpa_ms / 1e6,
+        err,
+    )
 
 
 def _bench_chunk(shape: Shape, context: int, queries: int, dev: str) -> ChunkRow:
     from confkv_kernels import triton_ops
     from triton.testing import do_bench
 
-    _, k8, k8s, v8, v8s, kf, vf, _, _ = _decode_inputs(Shape(shape.q_heads, shape.kv_heads, shape.head_dim,
-                                                             window=queries), 1, context, dev)
+    _, k8, k8s, v8, v8s, kf, vf, _, _ = _decode_inputs(
+        Shape(shape.q_heads, shape.kv_heads, shape.head_dim, window=queries), 1, context, dev
+    )
     q = torch.randn(shape.q_heads, queries, shape.head_dim, device=dev, dtype=torch.float16)
     posf = torch.arange(context - queries, context, device=dev)
-    ms = do_bench(lambda: triton_ops.chunk_attention(q, k8, k8s, v8, v8s, kf, vf, posf, posf,
-                                                     shape.head_dim**-0.5))
+    ms = do_bench(
+        lambda: triton_ops.chunk_attention(q, k8, k8s, v8, v8s, kf, vf, posf, posf, shape.head_dim**-0.5)
+    )
     flops = 3 * 2 * shape.q_heads * queries * context * shape.head_dim
     return ChunkRow(context, queries, ms * 1e3, flops / ms / 1e9)
 
 
 def _markdown(shape: Shape, decode: list[DecodeRow], chunk: list[ChunkRow], device: str) -> str:
-    lines = [f"# Conf-KV kernels on {device}", "",
-             f"Shape: {asdict(shape)}; fp16; command: `python -m confkv_kernels.bench`", "",
-             "| batch | context | ours us | ours GB/s | SDPA fp16 us | SDPA GB/s | max abs err |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r.batch} | {r.context} | {r.ours_us:.1f} | {r.ours_gbps:.0f} | {r.sdpa_us:.1f} | "
-              f"{r.sdpa_gbps:.0f} | {r.max_abs_err:.2e} |" for r in decode]
+    lines = [
+        f"# Conf-KV kernels on {device}",
+        "",
+        f"Shape: {asdict(shape)}; fp16; command: `python -m confkv_kernels.bench`",
+        "",
+        "| batch | context | ours us | ours GB/s | SDPA fp16 us | SDPA GB/s | max abs err |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.batch} | {r.context} | {r.ours_us:.1f} | {r.ours_gbps:.0f} | {r.sdpa_us:.1f} | "
+        f"{r.sdpa_gbps:.0f} | {r.max_abs_err:.2e} |"
+        for r in decode
+    ]
     lines += ["", "| chunk context | queries | us | TFLOP/s |", "|---:|---:|---:|---:|"]
     lines += [f"| {r.context} | {r.queries} | {r.ours_us:.1f} | {r.ours_tflops:.1f} |" for r in chunk]
     return "\n".join(lines) + "\n"
@@ -149,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     chunk = [_bench_chunk(shape, context, 512, dev) for context in contexts]
     device = torch.cuda.get_device_name()
     opts.out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-               "command": "python -m confkv_kernels.bench" + (" --quick" if opts.quick else ""),
-               "shape": asdict(shape), "decode": [asdict(r) for r in decode],
-               "chunk": [asdict(r) for r in chunk]}
+    payload = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": "python -m confkv_kernels.bench" + (" --quick" if opts.quick else ""),
+        "shape": asdict(shape),
+        "decode": [asdict(r) for r in decode],
+        "chunk": [asdict(r) for r in chunk],
+    }
     (opts.out_dir / "kernels_gpu.json").write_text(json.dumps(payload, indent=2) + "\n")
     (opts.out_dir / "kernels_gpu.md").write_text(_markdown(shape, decode, chunk, device))
     print(_markdown(shape, decode, chunk, device))

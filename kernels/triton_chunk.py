@@ -26,9 +26,27 @@ _POS_NEVER = tl.constexpr(2**62)  # position of padding slots: newer than any qu
 
 @triton.jit
 def _chunk_segment(
-    q, q_pos, q_newest, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, pos_ptr, stride_t, stride_s, n_slots,
-    offs_d, d_mask, qk_scale,
-    QUANT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    q_pos,
+    q_newest,
+    acc,
+    m_i,
+    l_i,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    pos_ptr,
+    stride_t,
+    stride_s,
+    n_slots,
+    offs_d,
+    d_mask,
+    qk_scale,
+    QUANT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     for start in range(0, n_slots, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -62,10 +80,36 @@ def _chunk_segment(
 
 @triton.jit
 def _chunk_fwd_kernel(
-    q_ptr, k8_ptr, k8s_ptr, v8_ptr, v8s_ptr, kf_ptr, vf_ptr, qpos_ptr, posf_ptr, out_ptr, lse_ptr,
-    stride_qh, stride_qm, stride_8h, stride_8t, stride_sh, stride_st, stride_fh, stride_ft,
-    stride_oh, stride_om, n_queries, n8, nf, qk_scale, head_dim,
-    GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k8_ptr,
+    k8s_ptr,
+    v8_ptr,
+    v8s_ptr,
+    kf_ptr,
+    vf_ptr,
+    qpos_ptr,
+    posf_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_qh,
+    stride_qm,
+    stride_8h,
+    stride_8t,
+    stride_sh,
+    stride_st,
+    stride_fh,
+    stride_ft,
+    stride_oh,
+    stride_om,
+    n_queries,
+    n8,
+    nf,
+    qk_scale,
+    head_dim,
+    GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile, head = tl.program_id(0), tl.program_id(1)
@@ -74,47 +118,112 @@ def _chunk_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < n_queries
     d_mask = offs_d < head_dim
-    q = tl.load(q_ptr + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     q_pos = tl.load(qpos_ptr + offs_m, mask=m_mask, other=-1)  # padding rows see nothing
     q_newest = tl.max(q_pos, axis=0)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc, m_i, l_i = _chunk_segment(
-        q, q_pos, q_newest, acc, m_i, l_i, k8_ptr + kv * stride_8h, v8_ptr + kv * stride_8h,
-        k8s_ptr + kv * stride_sh, v8s_ptr + kv * stride_sh, posf_ptr, stride_8t, stride_st, n8,
-        offs_d, d_mask, qk_scale, True, False, BLOCK_N, DOT_PRECISION,
+        q,
+        q_pos,
+        q_newest,
+        acc,
+        m_i,
+        l_i,
+        k8_ptr + kv * stride_8h,
+        v8_ptr + kv * stride_8h,
+        k8s_ptr + kv * stride_sh,
+        v8s_ptr + kv * stride_sh,
+        posf_ptr,
+        stride_8t,
+        stride_st,
+        n8,
+        offs_d,
+        d_mask,
+        qk_scale,
+        True,
+        False,
+        BLOCK_N,
+        DOT_PRECISION,
     )
     acc, m_i, l_i = _chunk_segment(
-        q, q_pos, q_newest, acc, m_i, l_i, kf_ptr + kv * stride_fh, vf_ptr + kv * stride_fh,
-        k8s_ptr, v8s_ptr, posf_ptr, stride_ft, 0, nf,
-        offs_d, d_mask, qk_scale, False, True, BLOCK_N, DOT_PRECISION,
+        q,
+        q_pos,
+        q_newest,
+        acc,
+        m_i,
+        l_i,
+        kf_ptr + kv * stride_fh,
+        vf_ptr + kv * stride_fh,
+        k8s_ptr,
+        v8s_ptr,
+        posf_ptr,
+        stride_ft,
+        0,
+        nf,
+        offs_d,
+        d_mask,
+        qk_scale,
+        False,
+        True,
+        BLOCK_N,
+        DOT_PRECISION,
     )
     seen = l_i > 0.0
     safe_l = tl.where(seen, l_i, 1.0)
     out = acc / safe_l[:, None]
-    tl.store(out_ptr + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + head * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
     lse = tl.where(seen, m_i + tl.log2(safe_l), float("inf"))  # +inf: such a row gives no mass
     tl.store(lse_ptr + head * n_queries + offs_m, lse, mask=m_mask)
 
 
 @triton.jit
 def _chunk_mass_kernel(
-    q_ptr, k_ptr, ks_ptr, qpos_ptr, pos_ptr, lse_ptr, mass_ptr,
-    stride_qh, stride_qm, stride_kh, stride_kt, stride_sh, stride_st, stride_mh,
-    n_queries, n_slots, qk_scale, head_dim,
-    QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    ks_ptr,
+    qpos_ptr,
+    pos_ptr,
+    lse_ptr,
+    mass_ptr,
+    stride_qh,
+    stride_qm,
+    stride_kh,
+    stride_kt,
+    stride_sh,
+    stride_st,
+    stride_mh,
+    n_queries,
+    n_slots,
+    qk_scale,
+    head_dim,
+    QUANT: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     block, kv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_mask = offs_n < n_slots
     d_mask = offs_d < head_dim
-    k = tl.load(k_ptr + kv * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :], other=0)
+    k = tl.load(
+        k_ptr + kv * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+        mask=n_mask[:, None] & d_mask[None, :],
+        other=0,
+    )
     k_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
     if QUANT:
         k_scale = tl.load(ks_ptr + kv * stride_sh + offs_n * stride_st, mask=n_mask, other=0.0).to(tl.float32)
@@ -131,8 +240,11 @@ def _chunk_mass_kernel(
             m_mask = offs_m < n_queries
             q_pos = tl.load(qpos_ptr + offs_m, mask=m_mask, other=-1)
             if tl.max(q_pos, axis=0) >= oldest:
-                q = tl.load(q_ptr + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                            mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+                q = tl.load(
+                    q_ptr + head * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                )
                 lse = tl.load(lse_ptr + head * n_queries + offs_m, mask=m_mask, other=float("inf"))
                 qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
                 qk = qk * (k_scale * qk_scale)[None, :]
@@ -170,19 +282,66 @@ def chunk_attention(q, k8, k8s, v8, v8s, kf, vf, q_pos, posf, scaling: float):
     block_m, block_d = _block_m(n_queries), triton.next_power_of_2(head_dim)
     precision, qk_scale = _dot_precision(q.dtype), scaling * _LOG2E
     _chunk_fwd_kernel[(triton.cdiv(n_queries, block_m), q_heads)](
-        q, k8, k8s, v8, v8s, kf, vf, q_pos, posf, out, lse,
-        q.stride(0), q.stride(1), k8.stride(0), k8.stride(1), k8s.stride(0), k8s.stride(1),
-        kf.stride(0), kf.stride(1), out.stride(0), out.stride(1), n_queries, n8, nf, qk_scale, head_dim,
-        GROUPS=groups, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, DOT_PRECISION=precision,
+        q,
+        k8,
+        k8s,
+        v8,
+        v8s,
+        kf,
+        vf,
+        q_pos,
+        posf,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k8.stride(0),
+        k8.stride(1),
+        k8s.stride(0),
+        k8s.stride(1),
+        kf.stride(0),
+        kf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        n_queries,
+        n8,
+        nf,
+        qk_scale,
+        head_dim,
+        GROUPS=groups,
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d,
+        DOT_PRECISION=precision,
     )
     for keys, scales, mass, quant in ((k8, k8s, mass8, True), (kf, k8s, massf, False)):
         if keys.shape[1] == 0:
             continue
         _chunk_mass_kernel[(triton.cdiv(keys.shape[1], _BLOCK_N), kv_heads)](
-            q, keys, scales, q_pos, posf, lse, mass,
-            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), scales.stride(0),
-            scales.stride(1) if quant else 0, mass.stride(0), n_queries, keys.shape[1], qk_scale, head_dim,
-            QUANT=quant, CAUSAL=not quant, GROUPS=groups, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-            BLOCK_D=block_d, DOT_PRECISION=precision,
+            q,
+            keys,
+            scales,
+            q_pos,
+            posf,
+            lse,
+            mass,
+            q.stride(0),
+            q.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            scales.stride(0),
+            scales.stride(1) if quant else 0,
+            mass.stride(0),
+            n_queries,
+            keys.shape[1],
+            qk_scale,
+            head_dim,
+            QUANT=quant,
+            CAUSAL=not quant,
+            GROUPS=groups,
+            BLOCK_M=block_m,
+            BLOCK_N=_BLOCK_N,
+            BLOCK_D=block_d,
+            DOT_PRECISION=precision,
         )
     return out, mass8, massf

@@ -36,10 +36,29 @@ def _split_bounds(start, end, split, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_segment(
-    q, acc, m_i, l_i, k_ptr, v_ptr, ks_ptr, vs_ptr, logit_ptr,
-    stride_kt, stride_vt, stride_st, stride_lh,
-    lo, hi, offs_g, g_mask, offs_d, d_mask, qk_scale,
-    QUANT: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    acc,
+    m_i,
+    l_i,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    logit_ptr,
+    stride_kt,
+    stride_vt,
+    stride_st,
+    stride_lh,
+    lo,
+    hi,
+    offs_g,
+    g_mask,
+    offs_d,
+    d_mask,
+    qk_scale,
+    QUANT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax of the G query rows ``q`` over slots [lo, hi) of one KV head.
 
@@ -55,8 +74,11 @@ def _decode_segment(
             k_scale = tl.load(ks_ptr + offs_n * stride_st, mask=n_mask, other=0.0).to(tl.float32)
             qk = qk * k_scale[None, :]
         qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
-        tl.store(logit_ptr + offs_g[:, None] * stride_lh + offs_n[None, :], qk,
-                 mask=g_mask[:, None] & n_mask[None, :])
+        tl.store(
+            logit_ptr + offs_g[:, None] * stride_lh + offs_n[None, :],
+            qk,
+            mask=g_mask[:, None] & n_mask[None, :],
+        )
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -72,13 +94,42 @@ def _decode_segment(
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k8_ptr, k8s_ptr, v8_ptr, v8s_ptr, kf_ptr, vf_ptr, off8_ptr, offf_ptr,
-    logit8_ptr, logitf_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    stride_qb, stride_qh, stride_k8h, stride_k8t, stride_v8h, stride_v8t, stride_s8h, stride_s8t,
-    stride_kfh, stride_kft, stride_vfh, stride_vft, stride_l8h, stride_lfh,
-    qk_scale, head_dim, num_splits,
-    GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k8_ptr,
+    k8s_ptr,
+    v8_ptr,
+    v8s_ptr,
+    kf_ptr,
+    vf_ptr,
+    off8_ptr,
+    offf_ptr,
+    logit8_ptr,
+    logitf_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    stride_qb,
+    stride_qh,
+    stride_k8h,
+    stride_k8t,
+    stride_v8h,
+    stride_v8t,
+    stride_s8h,
+    stride_s8t,
+    stride_kfh,
+    stride_kft,
+    stride_vfh,
+    stride_vft,
+    stride_l8h,
+    stride_lfh,
+    qk_scale,
+    head_dim,
+    num_splits,
+    GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq, head, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)  # int64: big caches
     offs_g = tl.arange(0, BLOCK_G)
@@ -86,25 +137,66 @@ def _decode_partial_kernel(
     g_mask = offs_g < GROUPS
     d_mask = offs_d < head_dim
     q_heads = head * GROUPS + offs_g
-    q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (G, D)
+    q = tl.load(
+        q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (G, D)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
 
     lo, hi = _split_bounds(tl.load(off8_ptr + seq), tl.load(off8_ptr + seq + 1), split, num_splits, BLOCK_N)
     acc, m_i, l_i = _decode_segment(
-        q, acc, m_i, l_i, k8_ptr + head * stride_k8h, v8_ptr + head * stride_v8h,
-        k8s_ptr + head * stride_s8h, v8s_ptr + head * stride_s8h, logit8_ptr + head * GROUPS * stride_l8h,
-        stride_k8t, stride_v8t, stride_s8t, stride_l8h,
-        lo, hi, offs_g, g_mask, offs_d, d_mask, qk_scale, True, BLOCK_N, DOT_PRECISION,
+        q,
+        acc,
+        m_i,
+        l_i,
+        k8_ptr + head * stride_k8h,
+        v8_ptr + head * stride_v8h,
+        k8s_ptr + head * stride_s8h,
+        v8s_ptr + head * stride_s8h,
+        logit8_ptr + head * GROUPS * stride_l8h,
+        stride_k8t,
+        stride_v8t,
+        stride_s8t,
+        stride_l8h,
+        lo,
+        hi,
+        offs_g,
+        g_mask,
+        offs_d,
+        d_mask,
+        qk_scale,
+        True,
+        BLOCK_N,
+        DOT_PRECISION,
     )
     lo, hi = _split_bounds(tl.load(offf_ptr + seq), tl.load(offf_ptr + seq + 1), split, num_splits, BLOCK_N)
     acc, m_i, l_i = _decode_segment(
-        q, acc, m_i, l_i, kf_ptr + head * stride_kfh, vf_ptr + head * stride_vfh,
-        k8s_ptr, v8s_ptr, logitf_ptr + head * GROUPS * stride_lfh,
-        stride_kft, stride_vft, 0, stride_lfh,
-        lo, hi, offs_g, g_mask, offs_d, d_mask, qk_scale, False, BLOCK_N, DOT_PRECISION,
+        q,
+        acc,
+        m_i,
+        l_i,
+        kf_ptr + head * stride_kfh,
+        vf_ptr + head * stride_vfh,
+        k8s_ptr,
+        v8s_ptr,
+        logitf_ptr + head * GROUPS * stride_lfh,
+        stride_kft,
+        stride_vft,
+        0,
+        stride_lfh,
+        lo,
+        hi,
+        offs_g,
+        g_mask,
+        offs_d,
+        d_mask,
+        qk_scale,
+        False,
+        BLOCK_N,
+        DOT_PRECISION,
     )
     part = (seq * tl.num_programs(1) * GROUPS + q_heads) * num_splits + split  # (G,) row of (B, Hq, S)
     tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
@@ -113,24 +205,46 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _mass_segment(logit_ptr, mass_ptr, stride_lh, stride_mh, lo, hi, offs_g, g_mask, m_fin, inv_l,
-                  BLOCK_N: tl.constexpr):
+def _mass_segment(
+    logit_ptr, mass_ptr, stride_lh, stride_mh, lo, hi, offs_g, g_mask, m_fin, inv_l, BLOCK_N: tl.constexpr
+):
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        logits = tl.load(logit_ptr + offs_g[:, None] * stride_lh + offs_n[None, :],
-                         mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
+        logits = tl.load(
+            logit_ptr + offs_g[:, None] * stride_lh + offs_n[None, :],
+            mask=g_mask[:, None] & n_mask[None, :],
+            other=float("-inf"),
+        )
         probs = tl.exp2(logits - m_fin[:, None]) * inv_l[:, None]
         tl.store(mass_ptr + offs_n, tl.sum(probs, axis=0), mask=n_mask)
 
 
 @triton.jit
 def _decode_finish_kernel(
-    off8_ptr, offf_ptr, logit8_ptr, logitf_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
-    out_ptr, mass8_ptr, massf_ptr,
-    stride_ob, stride_oh, stride_l8h, stride_lfh, stride_m8h, stride_mfh, head_dim, num_splits,
-    GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    off8_ptr,
+    offf_ptr,
+    logit8_ptr,
+    logitf_ptr,
+    part_o_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    mass8_ptr,
+    massf_ptr,
+    stride_ob,
+    stride_oh,
+    stride_l8h,
+    stride_lfh,
+    stride_m8h,
+    stride_mfh,
+    head_dim,
+    num_splits,
+    GROUPS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq, head, split = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
     offs_g = tl.arange(0, BLOCK_G)
@@ -148,23 +262,49 @@ def _decode_finish_kernel(
     inv_l = tl.where(l_fin > 0.0, 1.0 / tl.where(l_fin > 0.0, l_fin, 1.0), 0.0)
 
     lo, hi = _split_bounds(tl.load(off8_ptr + seq), tl.load(off8_ptr + seq + 1), split, num_splits, BLOCK_N)
-    _mass_segment(logit8_ptr + head * GROUPS * stride_l8h, mass8_ptr + head * stride_m8h, stride_l8h,
-                  stride_m8h, lo, hi, offs_g, g_mask, m_fin, inv_l, BLOCK_N)
+    _mass_segment(
+        logit8_ptr + head * GROUPS * stride_l8h,
+        mass8_ptr + head * stride_m8h,
+        stride_l8h,
+        stride_m8h,
+        lo,
+        hi,
+        offs_g,
+        g_mask,
+        m_fin,
+        inv_l,
+        BLOCK_N,
+    )
     lo, hi = _split_bounds(tl.load(offf_ptr + seq), tl.load(offf_ptr + seq + 1), split, num_splits, BLOCK_N)
-    _mass_segment(logitf_ptr + head * GROUPS * stride_lfh, massf_ptr + head * stride_mfh, stride_lfh,
-                  stride_mfh, lo, hi, offs_g, g_mask, m_fin, inv_l, BLOCK_N)
+    _mass_segment(
+        logitf_ptr + head * GROUPS * stride_lfh,
+        massf_ptr + head * stride_mfh,
+        stride_lfh,
+        stride_mfh,
+        lo,
+        hi,
+        offs_g,
+        g_mask,
+        m_fin,
+        inv_l,
+        BLOCK_N,
+    )
 
     if split == 0:
         offs_d = tl.arange(0, BLOCK_D)
         acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
         for s in range(num_splits):
-            part_o = tl.load(part_o_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
-                             mask=g_mask[:, None], other=0.0)
+            part_o = tl.load(
+                part_o_ptr + (rows + s)[:, None] * BLOCK_D + offs_d[None, :], mask=g_mask[:, None], other=0.0
+            )
             w = tl.sum(tl.where(offs_s[None, :] == s, weights, 0.0), axis=1)
             acc += part_o * w[:, None]
         out = acc * inv_l[:, None]
-        tl.store(out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & (offs_d[None, :] < head_dim))
+        tl.store(
+            out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & (offs_d[None, :] < head_dim),
+        )
 
 
 def _same_rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -217,18 +357,66 @@ def decode_attention(q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, scaling: f
     grid = (batch, kv_heads, splits)
     block_g = max(16, triton.next_power_of_2(groups))
     _decode_partial_kernel[grid](
-        q, k8, k8s, v8, v8s, kf, vf, offsets8, offsetsf, logit8, logitf, part_o, part_m, part_l,
-        q.stride(0), q.stride(1), k8.stride(0), k8.stride(1), v8.stride(0), v8.stride(1),
-        k8s.stride(0), k8s.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-        logit8.stride(0), logitf.stride(0), scaling * _LOG2E, head_dim, splits,
-        GROUPS=groups, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        q,
+        k8,
+        k8s,
+        v8,
+        v8s,
+        kf,
+        vf,
+        offsets8,
+        offsetsf,
+        logit8,
+        logitf,
+        part_o,
+        part_m,
+        part_l,
+        q.stride(0),
+        q.stride(1),
+        k8.stride(0),
+        k8.stride(1),
+        v8.stride(0),
+        v8.stride(1),
+        k8s.stride(0),
+        k8s.stride(1),
+        kf.stride(0),
+        kf.stride(1),
+        vf.stride(0),
+        vf.stride(1),
+        logit8.stride(0),
+        logitf.stride(0),
+        scaling * _LOG2E,
+        head_dim,
+        splits,
+        GROUPS=groups,
+        BLOCK_G=block_g,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q.dtype),
     )
     _decode_finish_kernel[grid](
-        offsets8, offsetsf, logit8, logitf, part_o, part_m, part_l, out, mass8, massf,
-        out.stride(0), out.stride(1), logit8.stride(0), logitf.stride(0), mass8.stride(0), massf.stride(0),
-        head_dim, splits,
-        GROUPS=groups, BLOCK_G=block_g, BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        offsets8,
+        offsetsf,
+        logit8,
+        logitf,
+        part_o,
+        part_m,
+        part_l,
+        out,
+        mass8,
+        massf,
+        out.stride(0),
+        out.stride(1),
+        logit8.stride(0),
+        logitf.stride(0),
+        mass8.stride(0),
+        massf.stride(0),
+        head_dim,
+        splits,
+        GROUPS=groups,
+        BLOCK_G=block_g,
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d,
     )
     return out, mass8, massf

@@ -29,9 +29,15 @@ def _round_half_even(y):
 
 @triton.jit
 def _quantize_int8_kernel(
-    x_ptr, x8_ptr, scale_ptr,
-    n_rows, dim,
-    QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    x8_ptr,
+    scale_ptr,
+    n_rows,
+    dim,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_D)
@@ -58,7 +64,14 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x8, scale
     grid = (triton.cdiv(n_rows, _BLOCK_ROWS),)
     _quantize_int8_kernel[grid](
-        x, x8, scale, n_rows, dim,
-        QMAX=_QMAX, MIN_SCALE=_MIN_SCALE, BLOCK_ROWS=_BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(dim),
+        x,
+        x8,
+        scale,
+        n_rows,
+        dim,
+        QMAX=_QMAX,
+        MIN_SCALE=_MIN_SCALE,
+        BLOCK_ROWS=_BLOCK_ROWS,
+        BLOCK_D=triton.next_power_of_2(dim),
     )
     return x8, scale
