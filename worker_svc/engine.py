@@ -401,12 +401,12 @@ class Engine:
             victims = self._victims(session)
             sid = session.session_id
             if not self.host_pool.reserve(
-                sid, max(turn.cold_reserve_bytes, session.cold_held_bytes()), victims, self._evict_idle
+                sid, max(turn.cold_reserve_bytes, session.cold_reserved_bytes()), victims, self._evict_idle
             ):
                 return  # FIFO: wait until running turns finish and shrink their reservations
             hot = max(turn.reserve_bytes, session.nbytes())
             if not self.pool.reserve(sid, hot, victims, self._make_room):
-                self.host_pool.shrink(sid, session.cold_held_bytes())
+                self.host_pool.shrink(sid, session.cold_reserved_bytes())
                 return
             self.queue.popleft()
             self._start(turn)
@@ -504,7 +504,7 @@ class Engine:
             session.transcript += [*turn.request.messages, ChatMessage("assistant", text)]
             session.fed_ids += turn.fed
             self.pool.shrink(session.session_id, session.nbytes())
-            self.host_pool.shrink(session.session_id, session.cold_held_bytes())
+            self.host_pool.shrink(session.session_id, session.cold_reserved_bytes())
         else:  # the cancelled turn is not committed: its KV goes, the transcript stays
             self._release_kv(session)
         session.turn, session.state, session.last_used = None, SessionState.IDLE, time.monotonic()

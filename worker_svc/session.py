@@ -85,9 +85,9 @@ class Session:
         """Bytes of the session's cold tier (host memory; 0 without recall)."""
         return self.seq.cold_nbytes() if self.seq is not None else 0
 
-    def cold_held_bytes(self) -> int:
-        """Host bytes the cold tier holds as allocated (whole page slots, at least
-        ``cold_nbytes``): what the host pool charges the session between turns."""
+    def cold_reserved_bytes(self) -> int:
+        """Host bytes the cold tier holds as allocated (``SequenceCache.cold_reserved_bytes``:
+        whole page slots, at least ``cold_nbytes``): the host pool's charge between turns."""
         return self.seq.cold_reserved_bytes() if self.seq is not None else 0
 
     def release_kv(self) -> int:

@@ -241,7 +241,7 @@ def test_idle_demotion_falls_back_to_release(printable):
     for overrides in ({"demote_idle": False}, {"host_pool_bytes": 400_000}):
         engine = _pressured(printable, prompt="The passkey is 4817.", **overrides)
         a = engine.sessions["a"]
-        assert a.cold_held_bytes() == 0 and engine.host_pool.reserved("a") == 0
+        assert a.cold_reserved_bytes() == 0 and engine.host_pool.reserved("a") == 0
         assert a.policy.worst_case_cold_bytes(engine.geometry, a.seq.seen_tokens) > 0
         engine.submit(TurnRequest("b", user(LONG_A), max_new_tokens=8))
         if "host_pool_bytes" in overrides:  # room for b's turn beside idle a, not for a demoted a
@@ -259,7 +259,7 @@ def test_idle_tier_is_charged_its_allocated_pages(printable):
     slots), not only the tokens stored in them."""
     engine = _pressured(printable, host_pool_bytes=400_000)
     a = engine.sessions["a"]
-    assert 0 < a.cold_nbytes() < a.cold_held_bytes() == engine.host_pool.reserved("a")
+    assert 0 < a.cold_nbytes() < a.cold_reserved_bytes() == engine.host_pool.reserved("a")
 
 
 def test_cancel_mid_stream_frees_kv_and_keeps_the_transcript(make_engine):
