@@ -8,24 +8,29 @@ In-process use (e.g. ``confkv serve``)::
 
 from __future__ import annotations
 
+import math
 import re
 
 from worker_svc.codec import HFChatCodec
 from worker_svc.engine import Engine
 from worker_svc.server import WorkerServer, start_worker
-from worker_svc.types import EngineConfig
+from worker_svc.types import MAX_POOL_BYTES, EngineConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
 
 
 def parse_bytes(text: str) -> int:
-    """``"268435456"``, ``"256MiB"``, ``"1.5GB"``, ``"1e9"`` -> bytes (> 0)."""
+    """``"268435456"``, ``"256MiB"``, ``"1.5GB"``, ``"1e9"`` -> bytes (> 0, at most ``MAX_POOL_BYTES``)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"not a byte size: {text!r} (examples: 268435456, 256MiB, 2GB)")
-    value = int(float(match.group(1)) * _UNITS[unit])
+    number = match.group(1)
+    size = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
+    if not math.isfinite(size) or size > MAX_POOL_BYTES:  # 1e400 is inf; pools are reported as int64
+        raise ValueError(f"byte size too large: {text!r} (at most {MAX_POOL_BYTES} bytes)")
+    value = int(size)
     if value <= 0:
         raise ValueError(f"byte size must be positive, got {text!r}")
     return value

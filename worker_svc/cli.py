@@ -81,6 +81,7 @@ def run(args) -> int:
 
     parse_policy(args.policy)  # a clear error before the model loads
     pool = parse_bytes(args.kv_pool_bytes)
+    host_pool = parse_bytes(args.host_pool_bytes) if args.host_pool_bytes is not None else None
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
     token = os.environ.get(args.auth_token_env) or None
@@ -99,8 +100,8 @@ def run(args) -> int:
     )  # fmt: skip
     if args.max_context:
         config["max_context_tokens"] = args.max_context
-    if args.host_pool_bytes is not None:
-        config["host_pool_bytes"] = parse_bytes(args.host_pool_bytes)
+    if host_pool is not None:
+        config["host_pool_bytes"] = host_pool
     engine = create_engine(args.model, pool, device=args.device, dtype=args.dtype, **config)
     worker = start_worker(
         engine,

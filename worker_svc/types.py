@@ -44,6 +44,10 @@ class InternalError(WorkerError):
     """A decode step failed; the turn is abandoned, the worker keeps serving (INTERNAL)."""
 
 
+# pool sizes travel as int64 (WorkerInfo, WorkerFootprint): a larger one could not be reported
+MAX_POOL_BYTES = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     kv_pool_bytes: int
@@ -76,6 +80,9 @@ class EngineConfig:
         )  # fmt: skip
         if self.host_pool_bytes is not None and self.host_pool_bytes <= 0:
             raise ValueError(f"host_pool_bytes must be positive, got {self.host_pool_bytes}")
+        for name in ("kv_pool_bytes", "host_pool_bytes"):
+            if (size := getattr(self, name) or 0) > MAX_POOL_BYTES:
+                raise ValueError(f"EngineConfig.{name} must be <= {MAX_POOL_BYTES}, got {size}")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
@@ -169,7 +176,7 @@ class Estimate:
     policy_bound_bytes: int  # 0 = unbounded (full)
     resolved_policy: str
     context_tokens: int
-    fits_pool: bool
+    fits_pool: bool  # the worst case fits the KV pool and, with recall=1, its cold tier the host pool
 
 
 @dataclass(frozen=True)
