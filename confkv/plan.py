@@ -10,6 +10,7 @@ ran at the high budget. Units: ``*_bytes`` are bytes, ``*_tokens`` are tokens.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -141,11 +142,12 @@ def parse_memory(text: str) -> int:
 
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?", key)
-    if not match or float(match.group(1)) <= 0:
+    size = float(match.group(1)) * _UNITS[match.group(2) or ""] if match else 0.0
+    if not 0 < size < math.inf:  # 1e400 reads as infinity
         raise ValueError(
             f"memory {text!r}: expected e.g. 80GB, 24GiB, 1e9B or one of {', '.join(ACCELERATORS)}, cpu"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    return int(size)
 
 
 def dtype_bytes(name: str) -> float:

@@ -52,6 +52,7 @@ def offline(monkeypatch):
         (["chat", "--address", UNREACHABLE, "--policy", "lru", "hi"], ["unknown policy"]),
         (["chat", "--address", UNREACHABLE, "--ca", "/no/ca.pem", "hi"], ["--ca", "not found"]),
         (["plan", "--utilization", "nan"], ["--utilization"]),
+        (["plan", "--memory", "1e400"], ["memory '1e400'"]),  # read as infinity: once an OverflowError
         # 14.4: outputs and inputs checked before the work
         (["generate", "--prompt", "hi", "--trace", "/no/dir/t.json"], ["--trace", "/no/dir"]),
         (["plan", "--json", "/no/dir/p.json"], ["--json", "/no/dir"]),
