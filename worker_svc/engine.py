@@ -187,7 +187,10 @@ class Engine:
         tokens = context_tokens + (len(admission.encode(self.codec, messages)) if messages else 0)
         worst = resolved.worst_case_bytes(self.geometry, tokens + max_new)
         bound = admission.policy_bound(resolved, self.geometry)
-        return Estimate(worst, bound or 0, resolved.spec(), tokens, worst <= self.config.kv_pool_bytes)
+        # a turn whose cold tier (recall=1) could never fit the host pool is refused too
+        cold = resolved.worst_case_cold_bytes(self.geometry, tokens + max_new)
+        fits = self.pool.fits_alone(worst) and self.host_pool.fits_alone(cold)
+        return Estimate(worst, bound or 0, resolved.spec(), tokens, fits)
 
     def footprint(self, include_sessions: bool = True) -> Footprint:
         with self.lock:

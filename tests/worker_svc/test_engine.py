@@ -373,6 +373,17 @@ def test_host_pool_for_cold_tiers_is_never_exceeded(make_engine):
         tiny.submit(TurnRequest("big", user(PROMPTS[0] * 3), max_new_tokens=8))
 
 
+def test_estimate_does_not_promise_a_turn_whose_cold_tier_never_fits(make_engine):
+    """EstimateBytes' ``fits_pool`` once read the KV pool alone: it said yes to a recall=1 turn
+    that ``submit`` refuses (RESOURCE_EXHAUSTED) because its cold tier exceeds the host pool."""
+    spec = "window:n=24,recall=1,page=8"
+    tiny = make_engine(host_pool_bytes=1_000)
+    assert not tiny.estimate(spec, [], context_tokens=200, max_new=8).fits_pool
+    assert tiny.estimate("window:n=24", [], context_tokens=200, max_new=8).fits_pool  # no cold tier
+    assert tiny.estimate(spec + ",cold_bytes=1", [], context_tokens=200, max_new=8).fits_pool  # bounded
+    assert make_engine().estimate(spec, [], context_tokens=200, max_new=8).fits_pool  # no host limit
+
+
 # -- packed steps: arriving prompt chunks ride in the same forward as the others' decode tokens --
 LONG = "A long prompt that arrives while the others decode, so it needs several prefill chunks. " * 2
 
