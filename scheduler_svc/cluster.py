@@ -190,8 +190,10 @@ class Cluster:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     self.queue.remove(ticket)
+                    cold = ticket.host_need
+                    host = f" (and {cold} host bytes for its cold tier)" if cold else ""
                     raise ResourceExhausted(
-                        f"no KV room for {ticket.need} bytes after waiting "
+                        f"no KV room for {ticket.need} bytes{host} after waiting "
                         f"{self.config.admission_timeout_s:g} s in the admission queue; retry later"
                     )
                 self._cond.wait(min(remaining, self.config.poll_interval_s, 0.25))

@@ -352,7 +352,9 @@ class Scheduler:
             ticket = self.cluster.request(session_id, record.model, need, frozenset(excluded), host_need)
             try:
                 if ticket.address is None:
-                    yield QueuedEvent(self.cluster.position(ticket), f"waiting for {need} bytes of KV room")
+                    host = f" and {host_need} host bytes for its cold tier" if host_need else ""
+                    waiting = f"waiting for {need} bytes of KV room{host}"
+                    yield QueuedEvent(self.cluster.position(ticket), waiting)
                 address = self.cluster.wait(ticket, cancelled)
             except BaseException:
                 self.cluster.cancel(ticket)

@@ -4,9 +4,11 @@ queueing, restart, bad input."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
+from scheduler_svc.cluster import Cluster
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core import Scheduler
 from scheduler_svc.domain import Message, QueuedEvent, TokenEvent, TurnDone
@@ -160,6 +162,19 @@ def test_admission_times_out_and_never_fits():
     release()
     with pytest.raises(ResourceExhausted, match="could never run"):
         sched.create_session(policy="window:n=64")
+
+
+def test_a_turn_waiting_for_host_room_says_so_when_it_times_out():
+    """A recall=1 turn can wait for host (cold-tier) room while KV room is free; the timeout
+    once named only its KV bytes."""
+    worker = FakeWorker("w0:1", 10 * NEED)
+    cluster = Cluster([worker], SchedulerConfig(admission_timeout_s=0.1, poll_interval_s=0.05))
+    others = {"session_bytes": {"x": 0}, "session_cold_bytes": {"x": 90}}  # placed by someone else
+    cluster.placer.update(replace(worker.report(), host_capacity_bytes=100, host_used_bytes=90, **others))
+    ticket = cluster.request("s", "tiny", NEED, host_need=50)
+    assert ticket.address is None
+    with pytest.raises(ResourceExhausted, match=f"no KV room for {NEED} bytes .and 50 host bytes"):
+        cluster.wait(ticket)
 
 
 def test_a_turn_cancelled_while_queued_leaves_the_queue_at_once():
