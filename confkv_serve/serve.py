@@ -29,6 +29,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="scheduler + one in-process worker (in-memory sessions unless --redis)")
     add_model_arg(p)
     p.add_argument("--kv-pool-bytes", default="256MiB", help="the worker's KV pool, e.g. 256MiB, 2GB")
+    p.add_argument(
+        "--host-pool-bytes",
+        default=None,
+        help="host memory for the cold tiers of recall=1 sessions, e.g. 8GiB (default: no limit)",
+    )
     p.add_argument("--demo", action="store_true", help="run a two-turn chat through the scheduler and exit")
     add_scheduler_args(p)
     p.set_defaults(run=run, extras=serve_extras)
@@ -76,6 +81,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.WARNING if args.demo else logging.INFO)
     config = scheduler_config(args)
     pool = parse_bytes(args.kv_pool_bytes)
+    host_pool = parse_bytes(args.host_pool_bytes) if args.host_pool_bytes is not None else None
     tls = tls_pair(args)
     clients, worker_token = credentials(args)
     worker_token = worker_token or secrets.token_urlsafe(24)  # only our scheduler may call our worker
@@ -88,6 +94,7 @@ def run(args) -> int:
         default_policy=args.default_policy,
         default_max_new_tokens=args.max_new_tokens,
         worker_id="in-process",
+        host_pool_bytes=host_pool,
     )
     worker = start_worker(engine, args.model, "127.0.0.1", 0, None, worker_token, None)
     port = 0 if args.demo else args.port
@@ -105,7 +112,8 @@ def run(args) -> int:
         if args.demo:
             client_token = next(iter(clients), None)
             return run_demo(server.address, client_token, args.default_policy, min(args.max_new_tokens, 40))
-        print(f"confkv serve: scheduler on {server.address}, worker {worker.address} (KV pool {pool} bytes)")
+        pools = f"KV pool {pool} bytes" + ("" if host_pool is None else f", host pool {host_pool} bytes")
+        print(f"confkv serve: scheduler on {server.address}, worker {worker.address} ({pools})")
         if http is not None:
             print(f"confkv serve: OpenAI-compatible HTTP API on {http.url}/v1")
         sys.stdout.flush()

@@ -46,6 +46,8 @@ def test_engine_config_refuses_pools_past_int64():
         (["worker", "--port", "0", "--host-pool-bytes", "-5"], "not a byte size"),
         (["worker", "--port", "0", "--host-pool-bytes", "0"], "must be positive"),
         (["serve", "--kv-pool-bytes", "1e400"], "too large"),
+        (["serve", "--host-pool-bytes", "-5"], "not a byte size"),
+        (["serve", "--host-pool-bytes", "0"], "must be positive"),
         (["worker", "--policy", "confkv:n_high=oops"], "not a valid int"),
         (["worker", "--tls-cert", "/nonexistent.pem"], "--tls-cert and --tls-key go together"),
     ],
@@ -78,3 +80,24 @@ def test_worker_linears_flag_reaches_the_engine_config(argv, onednn, monkeypatch
     with pytest.raises(Stop):
         main(["worker", "--port", "0", *argv])
     assert seen["onednn_linears"] is onednn
+
+
+@pytest.mark.parametrize("argv, host_pool", [([], None), (["--host-pool-bytes", "2MiB"], 2 << 20)])
+def test_serve_host_pool_reaches_its_worker(argv, host_pool, monkeypatch):
+    """``confkv serve --host-pool-bytes`` bounds its in-process worker's cold tiers as
+    ``confkv worker --host-pool-bytes`` does; without it the worker has no host limit."""
+    import worker_svc.app as app
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_create_engine(model, pool, **config):
+        seen.update(config)
+        raise Stop
+
+    monkeypatch.setattr(app, "create_engine", fake_create_engine)
+    with pytest.raises(Stop):
+        main(["serve", "--port", "0", *argv])
+    assert seen.get("host_pool_bytes") == host_pool
