@@ -22,7 +22,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_bytes(text: str) -> int:
     """``"268435456"``, ``"256MiB"``, ``"1.5GB"``, ``"1e9"`` -> bytes (> 0, at most ``MAX_POOL_BYTES``)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"not a byte size: {text!r} (examples: 268435456, 256MiB, 2GB)")

@@ -13,6 +13,7 @@ from worker_svc.types import MAX_POOL_BYTES, EngineConfig
     "text, value",
     [
         ("268435456", 268435456), ("256MiB", 256 << 20), ("1.5GB", 1_500_000_000), ("1e6", 10**6),
+        ("2E3KiB", 2000 << 10),  # an upper-case exponent, as confkv plan --memory takes it
         (str(MAX_POOL_BYTES), MAX_POOL_BYTES),  # exact, not rounded through a float
     ],
 )  # fmt: skip
