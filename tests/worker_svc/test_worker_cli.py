@@ -62,13 +62,12 @@ def test_worker_usage_errors_exit_2(argv, message, capsys, monkeypatch):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, onednn", [([], True), (["--torch-linears"], False)])
-def test_worker_linears_flag_reaches_the_engine_config(argv, onednn, monkeypatch):
-    """``--torch-linears`` turns ``EngineConfig.onednn_linears`` off (no model is loaded: the
-    engine factory is replaced and stops the command once it has the config)."""
+def engine_config_of(argv, monkeypatch) -> dict:
+    """The engine config a command builds from ``argv``, with no model loaded: the engine
+    factory is replaced and stops the command once it has the config."""
     import worker_svc.app as app
 
-    seen = {}
+    seen: dict = {}
 
     class Stop(Exception):
         pass
@@ -79,26 +78,20 @@ def test_worker_linears_flag_reaches_the_engine_config(argv, onednn, monkeypatch
 
     monkeypatch.setattr(app, "create_engine", fake_create_engine)
     with pytest.raises(Stop):
-        main(["worker", "--port", "0", *argv])
-    assert seen["onednn_linears"] is onednn
+        main(argv)
+    return seen
+
+
+@pytest.mark.parametrize("argv, onednn", [([], True), (["--torch-linears"], False)])
+def test_worker_linears_flag_reaches_the_engine_config(argv, onednn, monkeypatch):
+    """``--torch-linears`` turns ``EngineConfig.onednn_linears`` off."""
+    config = engine_config_of(["worker", "--port", "0", *argv], monkeypatch)
+    assert config["onednn_linears"] is onednn
 
 
 @pytest.mark.parametrize("argv, host_pool", [([], None), (["--host-pool-bytes", "2MiB"], 2 << 20)])
 def test_serve_host_pool_reaches_its_worker(argv, host_pool, monkeypatch):
     """``confkv serve --host-pool-bytes`` bounds its in-process worker's cold tiers as
     ``confkv worker --host-pool-bytes`` does; without it the worker has no host limit."""
-    import worker_svc.app as app
-
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_create_engine(model, pool, **config):
-        seen.update(config)
-        raise Stop
-
-    monkeypatch.setattr(app, "create_engine", fake_create_engine)
-    with pytest.raises(Stop):
-        main(["serve", "--port", "0", *argv])
-    assert seen.get("host_pool_bytes") == host_pool
+    config = engine_config_of(["serve", "--port", "0", *argv], monkeypatch)
+    assert config["host_pool_bytes"] == host_pool
