@@ -8,7 +8,6 @@ In-process use (e.g. ``confkv serve``)::
 
 from __future__ import annotations
 
-import math
 import re
 
 from worker_svc.codec import HFChatCodec
@@ -28,7 +27,7 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"not a byte size: {text!r} (examples: 268435456, 256MiB, 2GB)")
     number = match.group(1)
     size = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
-    if not math.isfinite(size) or size > MAX_POOL_BYTES:  # 1e400 is inf; pools are reported as int64
+    if size > MAX_POOL_BYTES:  # pools are reported as int64; 1e400 reads as infinity, also larger
         raise ValueError(f"byte size too large: {text!r} (at most {MAX_POOL_BYTES} bytes)")
     value = int(size)
     if value <= 0:

@@ -22,11 +22,13 @@ def test_parse_bytes(text, value):
 
 
 @pytest.mark.parametrize(
-    "text", ["banana", "0", "-5MiB", "12 parsecs", "", "1e400", "1e30GiB", str(MAX_POOL_BYTES + 1)]
+    "text",
+    ["banana", "0", "-5MiB", "12 parsecs", "", "1e400", "1e30GiB", str(MAX_POOL_BYTES + 1), "9" * 400],
 )
 def test_parse_bytes_rejects(text):
-    """Sizes past int64 (1e400 reads as infinity) are refused: a pool the worker cannot report in
-    its footprint once made Describe and GetFootprint fail with INTERNAL."""
+    """Sizes past int64 are refused (1e400 reads as infinity; 400 digits once raised
+    OverflowError): a pool the worker cannot report in its footprint once made Describe and
+    GetFootprint fail with INTERNAL."""
     with pytest.raises(ValueError):
         parse_bytes(text)
 
