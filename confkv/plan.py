@@ -10,13 +10,13 @@ ran at the high budget. Units: ``*_bytes`` are bytes, ``*_tokens`` are tokens.
 from __future__ import annotations
 
 import json
-import math
-import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from confkv.memory import KVGeometry
 from confkv.policies import CachePolicy, GatedPolicy, parse_policy
+from confkv.units import parse_size
 
 
 @dataclass(frozen=True)
@@ -141,9 +141,8 @@ def parse_memory(text: str) -> int:
         import os
 
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b|b)?", key)
-    size = float(match.group(1)) * _UNITS[match.group(2) or ""] if match else 0.0
-    if not 0 < size < math.inf:  # 1e400 reads as infinity
+    size = parse_size(key, _UNITS) or 0
+    if not 0 < size <= sys.float_info.max:  # 1e400 reads as infinity, 400 digits as a larger int
         raise ValueError(
             f"memory {text!r}: expected e.g. 80GB, 24GiB, 1e9B or one of {', '.join(ACCELERATORS)}, cpu"
         )

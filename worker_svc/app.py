@@ -8,8 +8,7 @@ In-process use (e.g. ``confkv serve``)::
 
 from __future__ import annotations
 
-import re
-
+from confkv.units import parse_size
 from worker_svc.codec import HFChatCodec
 from worker_svc.engine import Engine
 from worker_svc.server import WorkerServer, start_worker
@@ -21,12 +20,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 def parse_bytes(text: str) -> int:
     """``"268435456"``, ``"256MiB"``, ``"1.5GB"``, ``"1e9"`` -> bytes (> 0, at most ``MAX_POOL_BYTES``)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
+    size = parse_size(text, _UNITS)
+    if size is None:
         raise ValueError(f"not a byte size: {text!r} (examples: 268435456, 256MiB, 2GB)")
-    number = match.group(1)
-    size = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
     if size > MAX_POOL_BYTES:  # pools are reported as int64; 1e400 reads as infinity, also larger
         raise ValueError(f"byte size too large: {text!r} (at most {MAX_POOL_BYTES} bytes)")
     value = int(size)

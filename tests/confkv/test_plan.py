@@ -107,6 +107,10 @@ def test_hf_config_and_memory_parsing(tmp_path):
     assert parse_memory("1.5") == 1_500_000_000
     assert parse_memory("H200") == ACCELERATORS["h200"]
     assert parse_memory("cpu") > 0
+    assert parse_memory("1E9B") == 10**9
+    for bad in ("0", "5k", "banana", "1e400", "9" * 400):  # the last two: past a float's range
+        with pytest.raises(ValueError, match="memory"):
+            parse_memory(bad)
 
 
 def test_cli_table_and_json(tmp_path, capsys):
