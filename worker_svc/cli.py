@@ -96,12 +96,10 @@ def run(args) -> int:
         max_batch_size=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         default_max_new_tokens=args.max_new_tokens, default_policy=args.policy,
         worker_id=args.worker_id or f"{args.host}:{args.port}", demote_idle=args.demote_idle,
-        onednn_linears=args.onednn_linears,
+        onednn_linears=args.onednn_linears, host_pool_bytes=host_pool,
     )  # fmt: skip
     if args.max_context:
         config["max_context_tokens"] = args.max_context
-    if host_pool is not None:
-        config["host_pool_bytes"] = host_pool
     engine = create_engine(args.model, pool, device=args.device, dtype=args.dtype, **config)
     worker = start_worker(
         engine,
